@@ -1,0 +1,41 @@
+"""arrayattn: attention written once against the Python array API standard.
+
+Runs on NumPy, CuPy, array-api-strict, PyTorch, JAX and Dask arrays (through
+array-api-compat); every op has a hand-written backward reachable through :func:`vjp`.
+"""
+
+from ._autodiff import differentiable_ops, vjp
+from .ops import (
+    apply_rope,
+    attention_weights,
+    dropout_mask,
+    implementations,
+    layer_norm,
+    merge_heads,
+    repeat_kv,
+    rms_norm,
+    rope_frequencies,
+    scaled_dot_product_attention,
+    softmax,
+    split_heads,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "scaled_dot_product_attention",
+    "attention_weights",
+    "dropout_mask",
+    "implementations",
+    "softmax",
+    "split_heads",
+    "merge_heads",
+    "repeat_kv",
+    "rope_frequencies",
+    "apply_rope",
+    "rms_norm",
+    "layer_norm",
+    "vjp",
+    "differentiable_ops",
+    "__version__",
+]

@@ -1,0 +1,204 @@
+"""The backend layer: the one module that knows which array library it is talking to.
+
+Everything else in arrayattn is written against the array API standard and asks this
+module for the namespace, the device, the dtype policy, and which fast path (if any)
+exists for a library.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import array_api_compat
+
+Array = Any
+"""Any array-API array (NumPy, CuPy, array-api-strict, PyTorch, JAX, Dask)."""
+
+Namespace = Any
+"""An array-API namespace, as returned by :func:`array_api_compat.array_namespace`."""
+
+__all__ = [
+    "Array",
+    "Namespace",
+    "namespace_of",
+    "resolve_namespace",
+    "device_of",
+    "library_name",
+    "is_numpy",
+    "is_cupy",
+    "compute_dtype",
+    "lse_dtype",
+    "is_real_floating",
+    "sum_to_shape",
+    "full_scalar",
+    "broadcast_shapes",
+]
+
+
+def library_name(xp: Namespace) -> str:
+    """A short human name for the library behind ``xp`` (used in errors and reports)."""
+    checks = (
+        (array_api_compat.is_numpy_namespace, "numpy"),
+        (array_api_compat.is_cupy_namespace, "cupy"),
+        (array_api_compat.is_torch_namespace, "torch"),
+        (array_api_compat.is_jax_namespace, "jax"),
+        (array_api_compat.is_dask_namespace, "dask"),
+        (array_api_compat.is_array_api_strict_namespace, "array_api_strict"),
+    )
+    for check, name in checks:
+        if check(xp):
+            return name
+    return getattr(xp, "__name__", type(xp).__name__)
+
+
+def is_numpy(xp: Namespace) -> bool:
+    """True when ``xp`` is NumPy (plain or array-api-compat's wrapper)."""
+    return bool(array_api_compat.is_numpy_namespace(xp))
+
+
+def is_cupy(xp: Namespace) -> bool:
+    """True when ``xp`` is CuPy (plain or array-api-compat's wrapper)."""
+    return bool(array_api_compat.is_cupy_namespace(xp))
+
+
+def device_of(x: Array) -> Any:
+    """The device an array lives on, in its own library's terms."""
+    return array_api_compat.device(x)
+
+
+def namespace_of(**arrays: Array | None) -> Namespace:
+    """The one namespace shared by the named arrays (``None`` entries are ignored).
+
+    Raises ``TypeError`` naming the arguments when an entry is not an array, when the
+    arrays come from two libraries, or when they live on two devices.
+    """
+    present = {name: a for name, a in arrays.items() if a is not None}
+    if not present:
+        raise TypeError("expected at least one array argument, got none")
+    namespaces: dict[str, Namespace] = {}
+    for name, a in present.items():
+        if not array_api_compat.is_array_api_obj(a) or isinstance(a, (bool, int, float, complex)):
+            raise TypeError(
+                f"{name} must be an array from an array-API library, got {type(a).__name__}"
+            )
+        namespaces[name] = array_api_compat.array_namespace(a)
+    names = list(present)
+    first = names[0]
+    xp = namespaces[first]
+    for name in names[1:]:
+        if namespaces[name] is not xp:
+            raise TypeError(
+                f"{name} is a {library_name(namespaces[name])} array but {first} is a "
+                f"{library_name(xp)} array; all arrays in one call must come from one library"
+            )
+    dev = device_of(present[first])
+    for name in names[1:]:
+        other = device_of(present[name])
+        if other != dev:
+            raise TypeError(
+                f"{name} is on device {other!r} but {first} is on device {dev!r}; all arrays "
+                f"in one call must be on one device"
+            )
+    return xp
+
+
+def resolve_namespace(xp: ModuleType | Namespace | None) -> Namespace:
+    """Turn a user-passed library (``numpy``, ``cupy``, ``torch``, ...) into its array-API
+    namespace. ``None`` means NumPy."""
+    if xp is None:
+        import numpy
+
+        xp = numpy
+    if array_api_compat.is_numpy_namespace(xp):
+        return array_api_compat.array_namespace(_numpy_probe())
+    if array_api_compat.is_cupy_namespace(xp):
+        import array_api_compat.cupy as compat_cupy
+
+        return compat_cupy
+    if array_api_compat.is_torch_namespace(xp):
+        import array_api_compat.torch as compat_torch
+
+        return compat_torch
+    if array_api_compat.is_dask_namespace(xp):
+        import array_api_compat.dask.array as compat_dask
+
+        return compat_dask
+    if hasattr(xp, "asarray") and hasattr(xp, "matmul"):
+        return xp
+    raise TypeError(f"xp must be an array-API namespace such as numpy or cupy, got {xp!r}")
+
+
+def _numpy_probe() -> Array:
+    import numpy
+
+    return numpy.empty(0)
+
+
+def is_real_floating(xp: Namespace, dtype: Any) -> bool:
+    """True for float16, bfloat16, float32, float64 (and other real floating dtypes)."""
+    return bool(xp.isdtype(dtype, "real floating"))
+
+
+def compute_dtype(xp: Namespace, dtype: Any) -> Any:
+    """The accumulation dtype for inputs of ``dtype``: float64 stays float64, every other
+    floating dtype (float16, bfloat16, float32) computes in float32."""
+    if dtype == xp.float64:
+        return xp.float64
+    return xp.float32
+
+
+def lse_dtype(xp: Namespace, dtype: Any) -> Any:
+    """The dtype of the log-sum-exp returned next to attention: float32, or float64 for
+    float64 inputs."""
+    return compute_dtype(xp, dtype)
+
+
+def full_scalar(xp: Namespace, value: float, dtype: Any, device: Any) -> Array:
+    """A 0-d array holding ``value``: strict array-API versions reject Python scalars in
+    ``where``/``maximum``, so constants are wrapped."""
+    return xp.asarray(value, dtype=dtype, device=device)
+
+
+def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
+    """NumPy broadcasting of shapes, without touching any array. Raises ``ValueError``."""
+    ndim = max((len(s) for s in shapes), default=0)
+    out = []
+    for axis in range(ndim):
+        size = 1
+        for s in shapes:
+            k = axis - (ndim - len(s))
+            if k < 0:
+                continue
+            d = int(s[k])
+            if d == 1:
+                continue
+            if size not in (1, d):
+                raise ValueError(f"shapes {[tuple(s) for s in shapes]} do not broadcast")
+            size = d
+        out.append(size)
+    return tuple(out)
+
+
+def sum_to_shape(xp: Namespace, x: Array, shape: Sequence[int]) -> Array:
+    """Sum ``x`` over the axes that broadcasting added or stretched, so that the result
+    has ``shape`` (the adjoint of broadcasting)."""
+    shape = tuple(int(d) for d in shape)
+    extra = x.ndim - len(shape)
+    if extra > 0:
+        x = xp.sum(x, axis=tuple(range(extra)))
+    stretched = tuple(
+        axis for axis, d in enumerate(shape) if d == 1 and x.shape[axis] != 1
+    )
+    if stretched:
+        x = xp.sum(x, axis=stretched, keepdims=True)
+    if tuple(x.shape) != shape:
+        x = xp.reshape(x, shape)
+    return x
+
+
+def prod(shape: Sequence[int]) -> int:
+    """Product of a shape's sizes (1 for ``()``)."""
+    return math.prod(int(d) for d in shape)

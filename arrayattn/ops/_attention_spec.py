@@ -1,0 +1,288 @@
+"""Validation of attention arguments into one :class:`AttentionSpec`.
+
+Every implementation (composed, chunked, NumPy fast path, CuPy kernel) starts from the
+same spec, so the error messages and the meaning of every option are defined once.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .._backend import (
+    Array,
+    Namespace,
+    broadcast_shapes,
+    compute_dtype,
+    device_of,
+    is_real_floating,
+    namespace_of,
+    prod,
+)
+from .dropout import normalize_seed
+from .masks import CAUSAL_ALIGNMENTS, Structure, parse_window
+
+__all__ = ["AttentionSpec", "make_spec", "draw_seed"]
+
+
+def draw_seed() -> int:
+    """A fresh 32-bit seed for dropout calls that gave none; the vjp stores it so the
+    backward pass regenerates the same mask."""
+    return int.from_bytes(os.urandom(4), "little")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Everything derived from a validated attention call.
+
+    Shapes: the call's ``query`` is ``(*lead_q, Hq, L, E)``; internally every array is
+    padded to ``ndim = len(lead) + 3`` and queries are viewed grouped as
+    ``(*lead, Hq // G, G, L, E)`` against keys ``(*lead, Hk, 1, S, E)`` so GQA broadcasts
+    instead of repeating K/V.
+    """
+
+    xp: Namespace
+    device: Any
+    dtype: Any  # the inputs' dtype (and the output's)
+    cdtype: Any  # accumulation dtype
+    q_shape: tuple[int, ...]
+    k_shape: tuple[int, ...]
+    v_shape: tuple[int, ...]
+    mask_shape: tuple[int, ...] | None
+    lead: tuple[int, ...]  # broadcast leading (batch) dims of the output
+    Hq: int
+    Hkv: int
+    G: int  # queries per KV head (1 without GQA)
+    L: int
+    S: int
+    E: int
+    Ev: int
+    scale: float
+    mask_kind: str | None  # None, "bool" or "float"
+    structure: Structure
+    softcap: float | None
+    dropout_p: float
+    seed: int | None
+    out_ndim: int
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        shape = self.lead + (self.Hq, self.L, self.Ev)
+        return shape[len(shape) - self.out_ndim :]
+
+    @property
+    def lse_shape(self) -> tuple[int, ...]:
+        return self.out_shape[:-1]
+
+    @property
+    def batch_size(self) -> int:
+        return prod(self.lead)
+
+    # -- layout helpers -------------------------------------------------------------
+    def _pad(self, x: Array, shape: tuple[int, ...]) -> Array:
+        full = len(self.lead) + 3
+        if len(shape) < full:
+            x = self.xp.reshape(x, (1,) * (full - len(shape)) + tuple(shape))
+        return x
+
+    def group_query(self, q: Array) -> Array:
+        """``(*lead_q, Hq, L, E)`` -> ``(*lead_q, Hq/G, G, L, E)``."""
+        return self.group_rows(q, self.q_shape)
+
+    def group_kv(self, x: Array, shape: tuple[int, ...]) -> Array:
+        """``(*lead_k, Hk, S, D)`` -> ``(*lead_k, Hk, 1, S, D)``."""
+        x = self._pad(x, shape)
+        return self.xp.expand_dims(x, axis=-3)
+
+    def group_rows(self, x: Array, shape: tuple[int, ...]) -> Array:
+        """An array broadcastable to ``(*lead, Hq, L, X)`` viewed as grouped
+        ``(*lead, Hq/G or 1, G or 1, L, X)``."""
+        x = self._pad(x, shape)
+        heads = x.shape[-3]
+        if heads == 1:
+            return self.xp.expand_dims(x, axis=-3)
+        return self.xp.reshape(x, tuple(x.shape[:-3]) + (self.Hq // self.G, self.G) + tuple(x.shape[-2:]))
+
+    def ungroup_rows(self, x: Array) -> Array:
+        """Grouped ``(*lead, Hq/G, G, L, X)`` -> ``(*lead, Hq, L, X)``."""
+        return self.xp.reshape(x, tuple(x.shape[:-4]) + (x.shape[-4] * x.shape[-3],) + tuple(x.shape[-2:]))
+
+    def ungroup_out(self, x: Array) -> Array:
+        """Grouped output rows -> the user's output shape."""
+        return self.xp.reshape(self.ungroup_rows(x), self.out_shape)
+
+    def index_arrays(self) -> tuple[Array, Array]:
+        """int32 (batch, head) indices in the grouped layout, for dropout."""
+        xp = self.xp
+        batch = xp.reshape(
+            xp.arange(self.batch_size, dtype=xp.int32, device=self.device),
+            self.lead + (1, 1, 1, 1),
+        )
+        head = xp.reshape(
+            xp.arange(self.Hq, dtype=xp.int32, device=self.device),
+            (self.Hq // self.G, self.G, 1, 1),
+        )
+        return batch, head
+
+
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    return float(value)
+
+
+def _check_floating(xp: Namespace, name: str, x: Array) -> None:
+    if not is_real_floating(xp, x.dtype):
+        raise TypeError(
+            f"{name} must have a real floating dtype (float16, bfloat16, float32, float64), "
+            f"got {x.dtype}"
+        )
+
+
+def make_spec(
+    query: Array,
+    key: Array,
+    value: Array,
+    attn_mask: Array | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    causal_align: str,
+    window: Any,
+    softcap: float | None,
+    seed: int | None,
+) -> AttentionSpec:
+    """Validate an attention call (see ``SEMANTICS.md``) and derive its spec."""
+    xp = namespace_of(query=query, key=key, value=value, attn_mask=attn_mask)
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        _check_floating(xp, name, x)
+        if x.ndim < 2:
+            raise ValueError(f"{name} must have at least 2 dims (..., seq, head_dim), got shape {tuple(x.shape)}")
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        bad, dt = ("key", key.dtype) if key.dtype != query.dtype else ("value", value.dtype)
+        raise TypeError(f"{bad} dtype {dt} differs from query dtype {query.dtype}; expected one dtype")
+
+    q_shape, k_shape, v_shape = (tuple(int(d) for d in x.shape) for x in (query, key, value))
+    L, E = q_shape[-2:]
+    S, Ek = k_shape[-2:]
+    Sv, Ev = v_shape[-2:]
+    if Ek != E:
+        raise ValueError(f"key head_dim {Ek} (shape {k_shape}) differs from query head_dim {E} (shape {q_shape})")
+    if Sv != S:
+        raise ValueError(f"value has {Sv} keys (shape {v_shape}) but key has {S} (shape {k_shape})")
+
+    ndim = max(len(q_shape), len(k_shape), len(v_shape), 3)
+    def pad(s: tuple[int, ...]) -> tuple[int, ...]:
+        return (1,) * (ndim - len(s)) + s
+    pq, pk, pv = pad(q_shape), pad(k_shape), pad(v_shape)
+    Hq = pq[-3]
+    try:
+        Hk = broadcast_shapes((pk[-3],), (pv[-3],))[0]
+    except ValueError:
+        raise ValueError(f"key heads {pk[-3]} and value heads {pv[-3]} differ; expected equal") from None
+    try:
+        lead = broadcast_shapes(pq[:-3], pk[:-3], pv[:-3])
+    except ValueError:
+        raise ValueError(
+            f"batch dims of query {q_shape}, key {k_shape} and value {v_shape} do not broadcast"
+        ) from None
+
+    if enable_gqa and Hk != Hq:
+        if Hq % Hk != 0:
+            raise ValueError(
+                f"query heads {Hq} must be a multiple of key/value heads {Hk} for GQA "
+                f"(Hq % Hkv == 0); got query {q_shape}, key {k_shape}"
+            )
+        G = Hq // Hk
+    else:
+        if Hk not in (1, Hq) and Hq != 1:
+            raise ValueError(
+                f"query has {Hq} heads but key/value have {Hk}; pass enable_gqa=True for "
+                f"grouped-query attention, or give equal head counts"
+            )
+        G = 1
+        Hq = max(Hq, Hk)  # plain broadcasting over the head axis, as matmul does
+    Hkv = Hk
+
+    mask_kind = None
+    mask_shape = None
+    if attn_mask is not None:
+        if xp.isdtype(attn_mask.dtype, "bool"):
+            mask_kind = "bool"
+        elif is_real_floating(xp, attn_mask.dtype):
+            mask_kind = "float"
+        else:
+            raise TypeError(
+                f"attn_mask must be bool (True = takes part) or a real floating additive "
+                f"bias, got dtype {attn_mask.dtype}"
+            )
+        mask_shape = tuple(int(d) for d in attn_mask.shape)
+        target = lead + (Hq, L, S)
+        try:
+            ok = broadcast_shapes(mask_shape, target) == target
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"attn_mask of shape {mask_shape} does not broadcast to the attention "
+                f"weights' shape {target} (batch..., heads, L, S)"
+            )
+
+    if not isinstance(is_causal, (bool, int)):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if causal_align not in CAUSAL_ALIGNMENTS:
+        raise ValueError(f"causal_align must be one of {CAUSAL_ALIGNMENTS}, got {causal_align!r}")
+    window_pair = parse_window(window)
+
+    if scale is None:
+        scale_f = 1.0 / math.sqrt(E) if E > 0 else 1.0
+    else:
+        scale_f = _as_float("scale", scale)
+        if not math.isfinite(scale_f):
+            raise ValueError(f"scale must be finite, got {scale_f}")
+
+    softcap_f = None
+    if softcap is not None:
+        softcap_f = _as_float("softcap", softcap)
+        if not (math.isfinite(softcap_f) and softcap_f > 0):
+            raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap_f}")
+        # softcap = 0 is FlashAttention's "off"; we ask for None to keep one spelling.
+
+    p = _as_float("dropout_p", dropout_p)
+    if not (0.0 <= p < 1.0):
+        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
+    seed_n = None
+    if p > 0.0:
+        seed_n = draw_seed() if seed is None else normalize_seed(seed)
+    elif seed is not None:
+        normalize_seed(seed)  # still validate the type
+
+    return AttentionSpec(
+        xp=xp,
+        device=device_of(query),
+        dtype=query.dtype,
+        cdtype=compute_dtype(xp, query.dtype),
+        q_shape=q_shape,
+        k_shape=k_shape,
+        v_shape=v_shape,
+        mask_shape=mask_shape,
+        lead=lead,
+        Hq=Hq,
+        Hkv=Hkv,
+        G=G,
+        L=L,
+        S=S,
+        E=E,
+        Ev=Ev,
+        scale=scale_f,
+        mask_kind=mask_kind,
+        structure=Structure.build(L, S, bool(is_causal), causal_align, window_pair),
+        softcap=softcap_f,
+        dropout_p=p,
+        seed=seed_n,
+        out_ndim=max(len(q_shape), len(k_shape), len(v_shape)),
+    )

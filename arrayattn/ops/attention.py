@@ -1,0 +1,332 @@
+"""Scaled dot-product attention: the public entry points and their backward rules.
+
+One definition (``SEMANTICS.md``) and several implementations behind it. This module
+validates the call into an :class:`~arrayattn.ops._attention_spec.AttentionSpec`, picks an
+implementation (``implementation="auto"`` by default) and, for :func:`arrayattn.vjp`,
+returns a pullback that runs the same implementation's backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from .._autodiff import register_vjp
+from .._backend import Array
+from . import _composed
+from ._attention_spec import AttentionSpec, make_spec
+
+__all__ = [
+    "scaled_dot_product_attention",
+    "attention_weights",
+    "dropout_mask",
+    "register_implementation",
+    "implementations",
+]
+
+
+class Implementation(Protocol):
+    """What an attention implementation provides (all arrays in the user's layout)."""
+
+    def forward(
+        self, spec: AttentionSpec, query: Array, key: Array, value: Array, attn_mask: Array | None
+    ) -> tuple[Array, Array]: ...
+
+    def backward(
+        self,
+        spec: AttentionSpec,
+        query: Array,
+        key: Array,
+        value: Array,
+        attn_mask: Array | None,
+        out: Array,
+        lse: Array,
+        d_out: Array | None,
+        d_lse: Array | None,
+    ) -> tuple[Array, Array, Array, Array | None]: ...
+
+
+@dataclass(frozen=True)
+class _Registered:
+    impl: Any
+    # For "auto": returns None when the implementation takes this call, else a reason.
+    declines: Callable[[AttentionSpec], str | None]
+    auto_rank: int | None  # lower runs first under "auto"; None: only when named
+
+
+_REGISTRY: dict[str, _Registered] = {}
+
+
+def register_implementation(
+    name: str,
+    impl: Any,
+    declines: Callable[[AttentionSpec], str | None] = lambda spec: None,
+    auto_rank: int | None = None,
+) -> None:
+    """Register an attention implementation under ``name``.
+
+    ``declines(spec)`` returns ``None`` when it can run the call, else a short reason
+    (used for the error when the implementation is forced). ``auto_rank`` places it in
+    ``implementation="auto"``'s order (lower first); the composed path is always last.
+    """
+    _REGISTRY[name] = _Registered(impl, declines, auto_rank)
+
+
+def implementations() -> tuple[str, ...]:
+    """Names accepted by ``implementation=``."""
+    return ("auto",) + tuple(_REGISTRY)
+
+
+register_implementation("composed", _composed)
+
+
+def _select(spec: AttentionSpec, implementation: str) -> Any:
+    if implementation == "auto":
+        ranked = sorted(
+            (r for r in _REGISTRY.values() if r.auto_rank is not None), key=lambda r: r.auto_rank
+        )
+        for r in ranked:
+            if r.declines(spec) is None:
+                return r.impl
+        return _composed
+    reg = _REGISTRY.get(implementation)
+    if reg is None:
+        raise ValueError(
+            f"implementation must be one of {implementations()}, got {implementation!r}"
+        )
+    reason = reg.declines(spec)
+    if reason is not None:
+        raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
+    return reg.impl
+
+
+def scaled_dot_product_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    attn_mask: Array | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    causal_align: str = "top_left",
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    seed: int | None = None,
+    return_lse: bool = False,
+    implementation: str = "auto",
+) -> Array | tuple[Array, Array]:
+    """Scaled dot-product attention with PyTorch's signature and semantics, plus
+    FlashAttention's options.
+
+    Shapes: ``query (..., Hq, L, E)``, ``key (..., Hkv, S, E)``, ``value (..., Hkv, S, Ev)``
+    -> output ``(..., Hq, L, Ev)`` in the input dtype; leading dims broadcast. With
+    ``return_lse=True`` also the natural-log LSE of the masked scores, ``(..., Hq, L)``,
+    float32 (float64 for float64 inputs).
+
+    Args:
+        query, key, value: real floating arrays of one dtype, library and device.
+        attn_mask: bool (``True`` = takes part) or float (added to the scores),
+            broadcastable to ``(..., Hq, L, S)``. Combined with ``is_causal`` by AND.
+        dropout_p: probability in ``[0, 1)`` of dropping an attention probability; the
+            kept ones are scaled by ``1 / (1 - dropout_p)``.
+        is_causal: causal mask, aligned by ``causal_align``.
+        scale: score scale; default ``1 / sqrt(E)``.
+        enable_gqa: query head ``h`` reads KV head ``h // (Hq // Hkv)``.
+        causal_align: ``"top_left"`` (PyTorch: ``j <= i``) or ``"bottom_right"``
+            (FlashAttention >= 2.1: ``j <= i + S - L``, what a KV cache needs).
+        window: ``(left, right)`` sliding window around the aligned diagonal, inclusive,
+            ``-1`` unbounded (FlashAttention's convention). HF's "W keys including itself"
+            is ``(W - 1, 0)``.
+        softcap: ``softcap * tanh(scores / softcap)`` before masks (Gemma 2).
+        seed: dropout seed; the mask is a pure function of ``(seed, batch, head, i, j)``,
+            identical on every backend. ``None`` draws one.
+        return_lse: also return the log-sum-exp.
+        implementation: ``"auto"`` or a name from :func:`implementations`.
+
+    Rows with no key left return 0 (and LSE ``-inf``), never NaN.
+
+    Example::
+
+        >>> import numpy as np
+        >>> import arrayattn as aa
+        >>> rng = np.random.default_rng(0)
+        >>> q = rng.standard_normal((2, 8, 16, 64), dtype=np.float32)
+        >>> kv = rng.standard_normal((2, 2, 16, 64), dtype=np.float32)
+        >>> out, lse = aa.scaled_dot_product_attention(
+        ...     q, kv, kv, is_causal=True, enable_gqa=True, return_lse=True)
+        >>> out.shape, lse.shape, out.dtype, lse.dtype
+        ((2, 8, 16, 64), (2, 8, 16), dtype('float32'), dtype('float32'))
+    """
+    spec = make_spec(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+        causal_align, window, softcap, seed,
+    )
+    out, lse = _select(spec, implementation).forward(spec, query, key, value, attn_mask)
+    return (out, lse) if return_lse else out
+
+
+@register_vjp(scaled_dot_product_attention)
+def _sdpa_vjp(
+    query: Array,
+    key: Array,
+    value: Array,
+    attn_mask: Array | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    causal_align: str = "top_left",
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    seed: int | None = None,
+    return_lse: bool = False,
+    implementation: str = "auto",
+):
+    spec = make_spec(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+        causal_align, window, softcap, seed,
+    )
+    impl = _select(spec, implementation)
+    out, lse = impl.forward(spec, query, key, value, attn_mask)
+
+    def pullback(cotangent: Any) -> tuple[Any, ...]:
+        if return_lse:
+            if not isinstance(cotangent, (tuple, list)) or len(cotangent) != 2:
+                raise TypeError(
+                    "cotangent must be a pair (d_out, d_lse) when return_lse=True, got "
+                    f"{type(cotangent).__name__}"
+                )
+            d_out, d_lse = cotangent
+        else:
+            d_out, d_lse = cotangent, None
+        _check_cotangent("d_out", d_out, spec.out_shape)
+        _check_cotangent("d_lse", d_lse, spec.lse_shape)
+        dq, dk, dv, dmask = impl.backward(
+            spec, query, key, value, attn_mask, out, lse, d_out, d_lse
+        )
+        return dq, dk, dv, dmask
+
+    return ((out, lse) if return_lse else out), pullback
+
+
+def _check_cotangent(name: str, x: Array | None, shape: tuple[int, ...]) -> None:
+    if x is not None and tuple(int(d) for d in x.shape) != tuple(shape):
+        raise ValueError(f"cotangent {name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
+
+
+def attention_weights(
+    query: Array,
+    key: Array,
+    attn_mask: Array | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    causal_align: str = "top_left",
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    seed: int | None = None,
+) -> Array:
+    """The attention probabilities ``(..., Hq, L, S)`` that
+    :func:`scaled_dot_product_attention` with the same arguments multiplies into
+    ``value`` (after dropout, when ``dropout_p > 0`` with the same ``seed``), in the
+    input dtype. This is what ``need_weights`` / ``output_attentions`` give: it builds the
+    whole ``L x S`` matrix, so use it for inspection, not for long sequences.
+
+    Example::
+
+        >>> import numpy as np
+        >>> import arrayattn as aa
+        >>> q = np.ones((1, 1, 3, 4)); k = np.ones((1, 1, 5, 4))
+        >>> w = aa.attention_weights(q, k, is_causal=True, causal_align="bottom_right")
+        >>> w.shape, float(w[0, 0, 0].sum())
+        ((1, 1, 3, 5), 1.0)
+    """
+    spec = _weights_spec(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                         causal_align, window, softcap, seed)
+    p = _composed.probabilities(spec, query, key, attn_mask)
+    return _weights_out(spec, p)
+
+
+def _weights_spec(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                  causal_align, window, softcap, seed) -> AttentionSpec:
+    # The value plays no part in the weights; key stands in for it (same S, Ev = E).
+    return make_spec(query, key, key, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                     causal_align, window, softcap, seed)
+
+
+def _weights_out(spec: AttentionSpec, p: Array) -> Array:
+    xp = spec.xp
+    shape = spec.out_shape[:-1] + (spec.S,)
+    full = spec.lead + (spec.Hq // spec.G, spec.G, spec.L, spec.S)
+    return xp.astype(xp.reshape(spec.ungroup_rows(xp.broadcast_to(p, full)), shape), spec.dtype)
+
+
+@register_vjp(attention_weights)
+def _attention_weights_vjp(
+    query: Array,
+    key: Array,
+    attn_mask: Array | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    causal_align: str = "top_left",
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    seed: int | None = None,
+):
+    spec = _weights_spec(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                         causal_align, window, softcap, seed)
+    xp = spec.xp
+    s, tanh, qg, kg = _composed.masked_scores(spec, query, key, attn_mask)
+    p, _ = _composed.softmax_with_lse(spec, s)
+    rows_cols = None
+    if spec.dropout_p > 0:
+        rows_cols = _composed.index_block(spec, 0, spec.L, 0, spec.S)
+        out = _weights_out(spec, _composed.apply_dropout(spec, p, *rows_cols))
+    else:
+        out = _weights_out(spec, p)
+
+    def pullback(d_weights: Array) -> tuple[Any, ...]:
+        _check_cotangent("d_weights", d_weights, tuple(out.shape))
+        shape = tuple(out.shape)
+        dw = xp.astype(spec.group_rows(d_weights, shape), spec.cdtype)
+        if rows_cols is not None:
+            dw = _composed.apply_dropout(spec, dw, *rows_cols)
+        ds = p * (dw - xp.sum(dw * p, axis=-1, keepdims=True))
+        return _composed.scores_pullback(spec, qg, kg, ds, tanh, attn_mask)
+
+    return out, pullback
+
+
+def dropout_mask(
+    query: Array,
+    key: Array,
+    dropout_p: float,
+    seed: int,
+    enable_gqa: bool = False,
+) -> Array:
+    """The boolean keep-mask ``(..., Hq, L, S)`` that attention with these shapes,
+    ``dropout_p`` and ``seed`` applies (``True`` = kept). Identical on every backend.
+
+    Example::
+
+        >>> import numpy as np
+        >>> import arrayattn as aa
+        >>> q = np.zeros((1, 2, 4, 8), dtype=np.float32)
+        >>> aa.dropout_mask(q, q, 0.25, seed=7).shape
+        (1, 2, 4, 4)
+    """
+    if seed is None:
+        raise ValueError("seed must be an int for dropout_mask, got None")
+    spec = make_spec(query, key, key, None, dropout_p, False, None, enable_gqa,
+                     "top_left", None, None, seed)
+    xp = spec.xp
+    m = _composed.dropout_mask(spec)
+    return xp.reshape(m, spec.out_shape[:-1] + (spec.S,))
