@@ -189,9 +189,7 @@ def sum_to_shape(xp: Namespace, x: Array, shape: Sequence[int]) -> Array:
     extra = x.ndim - len(shape)
     if extra > 0:
         x = xp.sum(x, axis=tuple(range(extra)))
-    stretched = tuple(
-        axis for axis, d in enumerate(shape) if d == 1 and x.shape[axis] != 1
-    )
+    stretched = tuple(axis for axis, d in enumerate(shape) if d == 1 and x.shape[axis] != 1)
     if stretched:
         x = xp.sum(x, axis=stretched, keepdims=True)
     if tuple(x.shape) != shape:

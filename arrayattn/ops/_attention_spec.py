@@ -104,11 +104,15 @@ class AttentionSpec:
         heads = x.shape[-3]
         if heads == 1:
             return self.xp.expand_dims(x, axis=-3)
-        return self.xp.reshape(x, tuple(x.shape[:-3]) + (self.Hq // self.G, self.G) + tuple(x.shape[-2:]))
+        return self.xp.reshape(
+            x, tuple(x.shape[:-3]) + (self.Hq // self.G, self.G) + tuple(x.shape[-2:])
+        )
 
     def ungroup_rows(self, x: Array) -> Array:
         """Grouped ``(*lead, Hq/G, G, L, X)`` -> ``(*lead, Hq, L, X)``."""
-        return self.xp.reshape(x, tuple(x.shape[:-4]) + (x.shape[-4] * x.shape[-3],) + tuple(x.shape[-2:]))
+        return self.xp.reshape(
+            x, tuple(x.shape[:-4]) + (x.shape[-4] * x.shape[-3],) + tuple(x.shape[-2:])
+        )
 
     def ungroup_out(self, x: Array) -> Array:
         """Grouped output rows -> the user's output shape."""
@@ -161,29 +165,39 @@ def make_spec(
     for name, x in (("query", query), ("key", key), ("value", value)):
         _check_floating(xp, name, x)
         if x.ndim < 2:
-            raise ValueError(f"{name} must have at least 2 dims (..., seq, head_dim), got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"{name} must have at least 2 dims (..., seq, head_dim), got shape {tuple(x.shape)}"
+            )
     if key.dtype != query.dtype or value.dtype != query.dtype:
         bad, dt = ("key", key.dtype) if key.dtype != query.dtype else ("value", value.dtype)
-        raise TypeError(f"{bad} dtype {dt} differs from query dtype {query.dtype}; expected one dtype")
+        raise TypeError(
+            f"{bad} dtype {dt} differs from query dtype {query.dtype}; expected one dtype"
+        )
 
     q_shape, k_shape, v_shape = (tuple(int(d) for d in x.shape) for x in (query, key, value))
     L, E = q_shape[-2:]
     S, Ek = k_shape[-2:]
     Sv, Ev = v_shape[-2:]
     if Ek != E:
-        raise ValueError(f"key head_dim {Ek} (shape {k_shape}) differs from query head_dim {E} (shape {q_shape})")
+        raise ValueError(
+            f"key head_dim {Ek} (shape {k_shape}) differs from query head_dim {E} (shape {q_shape})"
+        )
     if Sv != S:
         raise ValueError(f"value has {Sv} keys (shape {v_shape}) but key has {S} (shape {k_shape})")
 
     ndim = max(len(q_shape), len(k_shape), len(v_shape), 3)
+
     def pad(s: tuple[int, ...]) -> tuple[int, ...]:
         return (1,) * (ndim - len(s)) + s
+
     pq, pk, pv = pad(q_shape), pad(k_shape), pad(v_shape)
     Hq = pq[-3]
     try:
         Hk = broadcast_shapes((pk[-3],), (pv[-3],))[0]
     except ValueError:
-        raise ValueError(f"key heads {pk[-3]} and value heads {pv[-3]} differ; expected equal") from None
+        raise ValueError(
+            f"key heads {pk[-3]} and value heads {pv[-3]} differ; expected equal"
+        ) from None
     try:
         lead = broadcast_shapes(pq[:-3], pk[:-3], pv[:-3])
     except ValueError:

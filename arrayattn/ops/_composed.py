@@ -15,10 +15,13 @@ from .masks import structural_allowed
 __all__ = ["forward", "backward", "probabilities", "masked_scores", "dropout_mask"]
 
 
-def index_block(spec: AttentionSpec, row_start: int, row_stop: int, col_start: int, col_stop: int) -> tuple[Array, Array]:
+def index_block(
+    spec: AttentionSpec, row_start: int, row_stop: int, col_start: int, col_stop: int
+) -> tuple[Array, Array]:
     xp = spec.xp
     rows = xp.reshape(
-        xp.arange(row_start, row_stop, dtype=xp.int32, device=spec.device), (row_stop - row_start, 1)
+        xp.arange(row_start, row_stop, dtype=xp.int32, device=spec.device),
+        (row_stop - row_start, 1),
     )
     cols = xp.arange(col_start, col_stop, dtype=xp.int32, device=spec.device)
     return rows, cols
@@ -220,7 +223,12 @@ def backward(
 
 
 def scores_pullback(
-    spec: AttentionSpec, qg: Array, kg: Array, ds: Array, tanh: Array | None, attn_mask: Array | None
+    spec: AttentionSpec,
+    qg: Array,
+    kg: Array,
+    ds: Array,
+    tanh: Array | None,
+    attn_mask: Array | None,
 ) -> tuple[Array, Array, Array | None]:
     """Gradients of (query, key, float mask) in the user's shapes from the gradient
     ``ds`` of the final masked scores (grouped layout, compute dtype)."""

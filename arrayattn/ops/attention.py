@@ -8,8 +8,9 @@ returns a pullback that runs the same implementation's backward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from .._autodiff import register_vjp
 from .._backend import Array
@@ -160,8 +161,18 @@ def scaled_dot_product_attention(
         ((2, 8, 16, 64), (2, 8, 16), dtype('float32'), dtype('float32'))
     """
     spec = make_spec(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-        causal_align, window, softcap, seed,
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        enable_gqa,
+        causal_align,
+        window,
+        softcap,
+        seed,
     )
     out, lse = _select(spec, implementation).forward(spec, query, key, value, attn_mask)
     return (out, lse) if return_lse else out
@@ -186,8 +197,18 @@ def _sdpa_vjp(
     implementation: str = "auto",
 ):
     spec = make_spec(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-        causal_align, window, softcap, seed,
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        enable_gqa,
+        causal_align,
+        window,
+        softcap,
+        seed,
     )
     impl = _select(spec, implementation)
     out, lse = impl.forward(spec, query, key, value, attn_mask)
@@ -246,17 +267,51 @@ def attention_weights(
         >>> w.shape, float(w[0, 0, 0].sum())
         ((1, 1, 3, 5), 1.0)
     """
-    spec = _weights_spec(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                         causal_align, window, softcap, seed)
+    spec = _weights_spec(
+        query,
+        key,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        enable_gqa,
+        causal_align,
+        window,
+        softcap,
+        seed,
+    )
     p = _composed.probabilities(spec, query, key, attn_mask)
     return _weights_out(spec, p)
 
 
-def _weights_spec(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                  causal_align, window, softcap, seed) -> AttentionSpec:
+def _weights_spec(
+    query,
+    key,
+    attn_mask,
+    dropout_p,
+    is_causal,
+    scale,
+    enable_gqa,
+    causal_align,
+    window,
+    softcap,
+    seed,
+) -> AttentionSpec:
     # The value plays no part in the weights; key stands in for it (same S, Ev = E).
-    return make_spec(query, key, key, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                     causal_align, window, softcap, seed)
+    return make_spec(
+        query,
+        key,
+        key,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        enable_gqa,
+        causal_align,
+        window,
+        softcap,
+        seed,
+    )
 
 
 def _weights_out(spec: AttentionSpec, p: Array) -> Array:
@@ -281,8 +336,19 @@ def _attention_weights_vjp(
     softcap: float | None = None,
     seed: int | None = None,
 ):
-    spec = _weights_spec(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                         causal_align, window, softcap, seed)
+    spec = _weights_spec(
+        query,
+        key,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        enable_gqa,
+        causal_align,
+        window,
+        softcap,
+        seed,
+    )
     xp = spec.xp
     s, tanh, qg, kg = _composed.masked_scores(spec, query, key, attn_mask)
     p, _ = _composed.softmax_with_lse(spec, s)
@@ -325,8 +391,9 @@ def dropout_mask(
     """
     if seed is None:
         raise ValueError("seed must be an int for dropout_mask, got None")
-    spec = make_spec(query, key, key, None, dropout_p, False, None, enable_gqa,
-                     "top_left", None, None, seed)
+    spec = make_spec(
+        query, key, key, None, dropout_p, False, None, enable_gqa, "top_left", None, None, seed
+    )
     xp = spec.xp
     m = _composed.dropout_mask(spec)
     return xp.reshape(m, spec.out_shape[:-1] + (spec.S,))

@@ -79,7 +79,9 @@ def repeat_kv(x: Array, n_rep: int) -> Array:
     xp = namespace_of(x=x)
     r = _positive_int("n_rep", n_rep)
     if x.ndim < 3:
-        raise ValueError(f"x must have at least 3 dims (..., Hkv, S, D), got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"x must have at least 3 dims (..., Hkv, S, D), got shape {tuple(x.shape)}"
+        )
     if r == 1:
         return x
     lead = tuple(x.shape[:-3])

@@ -22,7 +22,7 @@ def parse_window(window: object) -> tuple[int, int] | None:
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise ValueError(f"window must be a pair (left, right) of ints >= -1, got {window!r}")
     out = []
-    for side, w in zip(("left", "right"), window):
+    for side, w in zip(("left", "right"), window, strict=True):
         if isinstance(w, bool) or not isinstance(w, int):
             try:
                 import operator
@@ -80,7 +80,9 @@ class Structure:
         return lo, max(lo, hi)
 
 
-def structural_allowed(xp: Namespace, structure: Structure, rows: Array, cols: Array) -> Array | None:
+def structural_allowed(
+    xp: Namespace, structure: Structure, rows: Array, cols: Array
+) -> Array | None:
     """Boolean ``rows x cols`` "may attend" array for int index arrays ``rows`` (shape
     ``(l, 1)``) and ``cols`` (shape ``(s,)``), or ``None`` when nothing is masked."""
     if structure.is_trivial:

@@ -20,10 +20,14 @@ def _check(x: Array, eps: float, **params: Array | None) -> tuple[Any, tuple[int
     xp = namespace_of(x=x, **params)
     if not is_real_floating(xp, x.dtype):
         raise TypeError(f"x must have a real floating dtype, got {x.dtype}")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (math.isfinite(eps) and eps >= 0):
+    if (
+        isinstance(eps, bool)
+        or not isinstance(eps, numbers.Real)
+        or not (math.isfinite(eps) and eps >= 0)
+    ):
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
     nd = 1
-    for name, p in params.items():
+    for p in params.values():
         if p is not None:
             nd = max(nd, p.ndim)
     if x.ndim < nd:
@@ -147,13 +151,17 @@ def _layer_norm_vjp(x, weight, bias, eps=1e-5):
     def pullback(dy: Array):
         _check_cotangent(dy, tuple(y.shape))
         g = xp.astype(dy, cd)
-        dbias = None if bias is None else xp.astype(sum_to_shape(xp, g, tuple(bias.shape)), bias.dtype)
+        dbias = (
+            None if bias is None else xp.astype(sum_to_shape(xp, g, tuple(bias.shape)), bias.dtype)
+        )
         dweight = None
         if weight is not None:
             dweight = xp.astype(sum_to_shape(xp, g * xhat, tuple(weight.shape)), weight.dtype)
             g = g * xp.astype(weight, cd)
         dx = rstd * (
-            g - xp.mean(g, axis=axes, keepdims=True) - xhat * xp.mean(g * xhat, axis=axes, keepdims=True)
+            g
+            - xp.mean(g, axis=axes, keepdims=True)
+            - xhat * xp.mean(g * xhat, axis=axes, keepdims=True)
         )
         return xp.astype(dx, x.dtype), dweight, dbias, None
 

@@ -56,7 +56,12 @@ def rope_frequencies(
         >>> f.shape, f.dtype
         ((5, 4), dtype('complex64'))
     """
-    if isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral) or head_dim < 2 or head_dim % 2:
+    if (
+        isinstance(head_dim, bool)
+        or not isinstance(head_dim, numbers.Integral)
+        or head_dim < 2
+        or head_dim % 2
+    ):
         raise ValueError(f"head_dim must be a positive even int, got {head_dim!r}")
     if isinstance(theta, bool) or not isinstance(theta, numbers.Real) or not float(theta) > 0:
         raise ValueError(f"theta must be a positive number, got {theta!r}")
@@ -99,13 +104,13 @@ def _check_apply(x: Array, freqs: Array, layout: str) -> tuple[Any, int]:
     if not is_real_floating(xp, x.dtype):
         raise TypeError(f"x must have a real floating dtype, got {x.dtype}")
     if not xp.isdtype(freqs.dtype, "complex floating"):
-        raise TypeError(
-            f"freqs must be complex (from rope_frequencies), got dtype {freqs.dtype}"
-        )
+        raise TypeError(f"freqs must be complex (from rope_frequencies), got dtype {freqs.dtype}")
     if layout not in ROPE_LAYOUTS:
         raise ValueError(f"layout must be one of {ROPE_LAYOUTS}, got {layout!r}")
     if x.ndim < 1 or freqs.ndim < 1:
-        raise ValueError(f"x and freqs need a feature axis; got shapes {tuple(x.shape)}, {tuple(freqs.shape)}")
+        raise ValueError(
+            f"x and freqs need a feature axis; got shapes {tuple(x.shape)}, {tuple(freqs.shape)}"
+        )
     F = int(freqs.shape[-1])
     D = int(x.shape[-1])
     if 2 * F > D:
@@ -140,12 +145,16 @@ def _rotate(xp: Any, x: Array, freqs: Array, F: int, layout: str) -> Array:
     w = z * xp.astype(freqs, cdt)
     out_re, out_im = xp.real(w), xp.imag(w)
     if layout == "interleaved":
-        rotated = xp.reshape(xp.stack((out_re, out_im), axis=-1), tuple(out_re.shape[:-1]) + (2 * F,))
+        rotated = xp.reshape(
+            xp.stack((out_re, out_im), axis=-1), tuple(out_re.shape[:-1]) + (2 * F,)
+        )
     else:
         rotated = xp.concat((out_re, out_im), axis=-1)
     if 2 * F < D:
         rest = xr[..., 2 * F :]
-        rotated = xp.concat((rotated, xp.broadcast_to(rest, tuple(rotated.shape[:-1]) + (D - 2 * F,))), axis=-1)
+        rotated = xp.concat(
+            (rotated, xp.broadcast_to(rest, tuple(rotated.shape[:-1]) + (D - 2 * F,))), axis=-1
+        )
     return xp.astype(rotated, x.dtype)
 
 
