@@ -4,6 +4,7 @@ Runs on NumPy, CuPy, array-api-strict, PyTorch, JAX and Dask arrays (through
 array-api-compat); every op has a hand-written backward reachable through :func:`vjp`.
 """
 
+from . import nn
 from ._autodiff import differentiable_ops, vjp
 from .ops import (
     apply_rope,
@@ -11,6 +12,7 @@ from .ops import (
     dropout_mask,
     implementations,
     layer_norm,
+    merge_attention_states,
     merge_heads,
     repeat_kv,
     rms_norm,
@@ -18,12 +20,15 @@ from .ops import (
     scaled_dot_product_attention,
     softmax,
     split_heads,
+    varlen_attention,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
     "scaled_dot_product_attention",
+    "varlen_attention",
+    "merge_attention_states",
     "attention_weights",
     "dropout_mask",
     "implementations",
@@ -37,5 +42,6 @@ __all__ = [
     "layer_norm",
     "vjp",
     "differentiable_ops",
+    "nn",
     "__version__",
 ]

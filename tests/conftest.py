@@ -7,14 +7,23 @@ all). A backend that is not installed is skipped, never failed.
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 from arrayattn._backend import library_name
+
+# Test modules in subfolders import the shared oracles and helpers (``_reference``,
+# ``_helpers``) from here, whatever pytest's import mode.
+_TESTS_DIR = str(Path(__file__).resolve().parent)
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)
 
 
 @dataclass(frozen=True)
@@ -39,15 +48,58 @@ class Backend:
             return x.get()
         if self.name == "torch":
             return x.detach().cpu().numpy()
-        if self.name == "array_api_strict":
+        if self.name.startswith("array_api_strict"):  # also array_api_strict_device1
             import array_api_strict
 
             x = array_api_strict.asarray(x, device=array_api_strict.Device("CPU_DEVICE"))
             return np.asarray(x._array)
         return np.asarray(x)
 
+    @property
+    def compiles_per_shape(self) -> bool:
+        """True for JAX, where every new shape costs a compilation (about a second): big
+        test matrices run a representative subset there (see ``_helpers.thin``)."""
+        return self.name == "jax"
+
+    def call(self, fn: Any, *arrays: Any, **options: Any) -> Any:
+        """``fn(*arrays, **options)``; on JAX under ``jax.jit`` (options static), which
+        also proves the op traces without data-dependent Python values."""
+        if self.name == "jax":
+            return _jit_arrays(functools.partial(fn, **options), arrays)
+        return fn(*arrays, **options)
+
+    def vjp(self, fn: Any, arrays: tuple, cotangent: Any, **options: Any) -> tuple[Any, Any]:
+        """``(out, grads)`` of ``arrayattn.vjp(fn, *arrays, **options)`` pulled back with
+        ``cotangent`` (an array of this backend, or a tuple for tuple outputs); jitted on
+        JAX."""
+        import arrayattn
+
+        def run(*a: Any) -> tuple[Any, Any]:
+            out, pullback = arrayattn.vjp(fn, *a, **options)
+            return out, pullback(cotangent)
+
+        if self.name == "jax":
+            return _jit_arrays(run, arrays)
+        return run(*arrays)
+
     def __repr__(self) -> str:
         return self.name
+
+
+def _jit_arrays(fn: Any, args: tuple) -> Any:
+    """``jax.jit(fn)(*args)`` tracing only the JAX arrays; other positional arguments
+    (ints such as ``num_heads``, ``None``) stay static Python values."""
+    import jax
+
+    dynamic = [i for i, a in enumerate(args) if isinstance(a, jax.Array)]
+
+    def inner(*arrays: Any) -> Any:
+        full = list(args)
+        for i, a in zip(dynamic, arrays, strict=True):
+            full[i] = a
+        return fn(*full)
+
+    return jax.jit(inner)(*(args[i] for i in dynamic))
 
 
 def _make(name: str) -> Backend:
@@ -65,9 +117,9 @@ def _make(name: str) -> Backend:
         return Backend(name, xp, xp.Device("device1"))
     if name == "torch":
         import array_api_compat.torch as xp
-        import torch  # noqa: F401
+        import torch
 
-        return Backend(name, xp, "cpu")
+        return Backend(name, xp, torch.device("cpu"))
     if name == "jax":
         import jax
 
@@ -118,3 +170,23 @@ def library_of(x: Any) -> str:
     import array_api_compat
 
     return library_name(array_api_compat.array_namespace(x))
+
+
+@pytest.fixture(params=("float16", "float32", "float64"))
+def dtype_name(request: pytest.FixtureRequest) -> str:
+    """A floating dtype name; pair with ``_helpers.backend_dtype`` (skips what a backend
+    lacks, such as float16 on array-api-strict)."""
+    return request.param
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    """A fixed-seed NumPy generator: tests draw their data with NumPy and move it with
+    ``backend.asarray`` so every backend sees the same numbers."""
+    return np.random.default_rng(20240611)
+
+
+@pytest.fixture
+def numpy_backend() -> Backend:
+    """The NumPy backend, for checks that only need one library (finite differences)."""
+    return _make("numpy")

@@ -1,5 +1,9 @@
 """The ops: attention, softmax, heads, RoPE, norms (each with a backward rule)."""
 
+from . import (
+    _numpy_fast,  # noqa: F401  (registers implementation="fast", NumPy)
+    chunked,  # noqa: F401  (registers implementation="chunked")
+)
 from .attention import (
     attention_weights,
     dropout_mask,
@@ -8,12 +12,32 @@ from .attention import (
     scaled_dot_product_attention,
 )
 from .heads import merge_heads, repeat_kv, split_heads
+from .merge import merge_attention_states
 from .norms import layer_norm, rms_norm
 from .rope import apply_rope, rope_frequencies
 from .softmax import softmax
+from .varlen import varlen_attention
+
+
+def _register_cuda_kernels() -> None:
+    # implementation="fused" (CuPy kernels) exists only where CuPy is installed; this
+    # checks for CuPy without importing it, so NumPy-only installs never load it.
+    try:
+        from ..kernels import register
+    except ImportError:
+        return
+    try:
+        register()
+    except ImportError:
+        pass
+
+
+_register_cuda_kernels()
 
 __all__ = [
     "scaled_dot_product_attention",
+    "varlen_attention",
+    "merge_attention_states",
     "attention_weights",
     "dropout_mask",
     "implementations",

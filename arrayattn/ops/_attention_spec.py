@@ -67,6 +67,30 @@ class AttentionSpec:
     dropout_p: float
     seed: int | None
     out_ndim: int
+    # Per-sequence lengths (keyword options q_lengths / kv_lengths): the user's int arrays
+    # of shape ``lead``, and derived int32 arrays shaped ``(*lead, 1, 1, 1, 1)`` for the
+    # grouped layout: lengths clipped to [0, L] / [0, S], and the per-sequence diagonal
+    # offset (``None`` where the plain ``structure.offset`` applies).
+    q_lengths: Array | None = None
+    kv_lengths: Array | None = None
+    q_len_g: Array | None = None
+    kv_len_g: Array | None = None
+    offset_g: Array | None = None
+
+    @property
+    def has_lengths(self) -> bool:
+        """True when ``q_lengths`` or ``kv_lengths`` was given."""
+        return self.q_lengths is not None or self.kv_lengths is not None
+
+    @property
+    def offset_bounds(self) -> tuple[int, int] | None:
+        """Bounds ``(lo, hi)`` of the per-sequence diagonal offsets (their values are data,
+        so blocked paths skip only key blocks no possible offset reaches), or ``None``."""
+        if self.offset_g is None:
+            return None
+        kv_min = 0 if self.kv_lengths is not None else self.S
+        q_min = 0 if self.q_lengths is not None else self.L
+        return kv_min - self.L, self.S - q_min
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -159,9 +183,19 @@ def make_spec(
     window: Any,
     softcap: float | None,
     seed: int | None,
+    *,
+    q_lengths: Array | None = None,
+    kv_lengths: Array | None = None,
 ) -> AttentionSpec:
     """Validate an attention call (see ``SEMANTICS.md``) and derive its spec."""
-    xp = namespace_of(query=query, key=key, value=value, attn_mask=attn_mask)
+    xp = namespace_of(
+        query=query,
+        key=key,
+        value=value,
+        attn_mask=attn_mask,
+        q_lengths=q_lengths,
+        kv_lengths=kv_lengths,
+    )
     for name, x in (("query", query), ("key", key), ("value", value)):
         _check_floating(xp, name, x)
         if x.ndim < 2:
@@ -246,7 +280,8 @@ def make_spec(
                 f"weights' shape {target} (batch..., heads, L, S)"
             )
 
-    if not isinstance(is_causal, (bool, int)):
+    # NumPy's bool scalar (type name "bool" in NumPy 2, "bool_" before) is no Python int.
+    if not isinstance(is_causal, (bool, int)) and type(is_causal).__name__ not in ("bool", "bool_"):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     if causal_align not in CAUSAL_ALIGNMENTS:
         raise ValueError(f"causal_align must be one of {CAUSAL_ALIGNMENTS}, got {causal_align!r}")
@@ -275,9 +310,20 @@ def make_spec(
     elif seed is not None:
         normalize_seed(seed)  # still validate the type
 
+    structure = Structure.build(L, S, bool(is_causal), causal_align, window_pair)
+    device = device_of(query)
+    q_len_g = _lengths_g(xp, "q_lengths", q_lengths, lead, L)
+    kv_len_g = _lengths_g(xp, "kv_lengths", kv_lengths, lead, S)
+    offset_g = None
+    if causal_align == "bottom_right" and (q_len_g is not None or kv_len_g is not None):
+        # FlashAttention varlen: each sequence's diagonal ends at its own last key.
+        kv_len = kv_len_g if kv_len_g is not None else S
+        q_len = q_len_g if q_len_g is not None else L
+        offset_g = kv_len - q_len
+
     return AttentionSpec(
         xp=xp,
-        device=device_of(query),
+        device=device,
         dtype=query.dtype,
         cdtype=compute_dtype(xp, query.dtype),
         q_shape=q_shape,
@@ -294,9 +340,37 @@ def make_spec(
         Ev=Ev,
         scale=scale_f,
         mask_kind=mask_kind,
-        structure=Structure.build(L, S, bool(is_causal), causal_align, window_pair),
+        structure=structure,
         softcap=softcap_f,
         dropout_p=p,
         seed=seed_n,
         out_ndim=max(len(q_shape), len(k_shape), len(v_shape)),
+        q_lengths=q_lengths,
+        kv_lengths=kv_lengths,
+        q_len_g=q_len_g,
+        kv_len_g=kv_len_g,
+        offset_g=offset_g,
     )
+
+
+def _lengths_g(
+    xp: Namespace, name: str, lengths: Array | None, lead: tuple[int, ...], size: int
+) -> Array | None:
+    """Validate per-sequence lengths and shape them for the grouped layout: int32,
+    clipped to ``[0, size]``, shape ``(*lead, 1, 1, 1, 1)``. Values are data: no Python
+    decision is taken on them."""
+    if lengths is None:
+        return None
+    if not xp.isdtype(lengths.dtype, "integral"):
+        raise TypeError(f"{name} must have an integer dtype, got {lengths.dtype}")
+    shape = tuple(int(d) for d in lengths.shape)
+    if shape != lead:
+        raise ValueError(
+            f"{name} must have the broadcast batch shape {lead} of query/key/value "
+            f"(one length per sequence), got shape {shape}"
+        )
+    dev = device_of(lengths)
+    x = xp.astype(lengths, xp.int32)
+    x = xp.maximum(x, xp.asarray(0, dtype=xp.int32, device=dev))
+    x = xp.minimum(x, xp.asarray(size, dtype=xp.int32, device=dev))
+    return xp.reshape(x, lead + (1, 1, 1, 1))

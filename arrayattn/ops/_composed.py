@@ -28,14 +28,27 @@ def index_block(
 
 
 def allowed_block(
-    spec: AttentionSpec, mask_g: Array | None, rows: Array, cols: Array
+    spec: AttentionSpec,
+    mask_g: Array | None,
+    rows: Array,
+    cols: Array,
+    check_structure: bool = True,
 ) -> Array | None:
-    """The boolean "may attend" array for a block: structure AND a boolean user mask
-    (already sliced to the block), or ``None`` when nothing is masked."""
+    """The boolean "may attend" array for a block: structure (with per-sequence diagonals
+    when lengths are given) AND per-sequence lengths AND a boolean user mask (already
+    sliced to the block), or ``None`` when nothing is masked. ``check_structure=False``
+    skips the causal/window test for blocks known to lie inside it."""
     xp = spec.xp
-    allowed = structural_allowed(xp, spec.structure, rows, cols)
-    if spec.mask_kind == "bool":
-        allowed = mask_g if allowed is None else xp.logical_and(allowed, mask_g)
+    allowed = None
+    if check_structure:
+        allowed = structural_allowed(xp, spec.structure, rows, cols, offset=spec.offset_g)
+    for extra in (
+        None if spec.kv_len_g is None else cols < spec.kv_len_g,
+        None if spec.q_len_g is None else rows < spec.q_len_g,
+        mask_g if spec.mask_kind == "bool" else None,
+    ):
+        if extra is not None:
+            allowed = extra if allowed is None else xp.logical_and(allowed, extra)
     return allowed
 
 
@@ -46,12 +59,14 @@ def scores_block(
     mask_g: Array | None,
     rows: Array,
     cols: Array,
+    check_structure: bool = True,
 ) -> tuple[Array, Array | None]:
     """Final masked scores ``(..., l, s)`` in the compute dtype for a block, and the
     softcap ``tanh`` (kept for the backward) or ``None``.
 
     ``qg``/``kg`` are in the compute dtype; ``mask_g`` is the user's mask for the block
-    in the grouped layout (bool or float), ``rows``/``cols`` the block's int32 indices.
+    in the grouped layout (bool or float), ``rows``/``cols`` the block's int32 indices;
+    ``check_structure=False`` for blocks that lie wholly inside the causal/window band.
     """
     xp = spec.xp
     s = xp.matmul(qg, xp.matrix_transpose(kg))
@@ -63,7 +78,7 @@ def scores_block(
         s = tanh * spec.softcap
     if spec.mask_kind == "float":
         s = s + xp.astype(mask_g, spec.cdtype)
-    allowed = allowed_block(spec, mask_g, rows, cols)
+    allowed = allowed_block(spec, mask_g, rows, cols, check_structure)
     if allowed is not None:
         s = xp.where(allowed, s, full_scalar(xp, -float("inf"), spec.cdtype, spec.device))
     return s, tanh
@@ -77,9 +92,10 @@ def dropout_block(spec: AttentionSpec, rows: Array, cols: Array) -> Array:
 
 def _prepare(spec: AttentionSpec, query: Array, key: Array, value: Array, attn_mask: Array | None):
     xp = spec.xp
-    qg = xp.astype(spec.group_query(query), spec.cdtype)
-    kg = xp.astype(spec.group_kv(key, spec.k_shape), spec.cdtype)
-    vg = xp.astype(spec.group_kv(value, spec.v_shape), spec.cdtype)
+    # copy=False: inputs already in the compute dtype are used as they are (never written).
+    qg = xp.astype(spec.group_query(query), spec.cdtype, copy=False)
+    kg = xp.astype(spec.group_kv(key, spec.k_shape), spec.cdtype, copy=False)
+    vg = xp.astype(spec.group_kv(value, spec.v_shape), spec.cdtype, copy=False)
     mask_g = None if attn_mask is None else spec.group_rows(attn_mask, spec.mask_shape)
     return qg, kg, vg, mask_g
 
@@ -100,6 +116,8 @@ def softmax_with_lse(spec: AttentionSpec, s: Array) -> tuple[Array, Array]:
     neg_inf = full_scalar(xp, -float("inf"), spec.cdtype, spec.device)
     zero = full_scalar(xp, 0.0, spec.cdtype, spec.device)
     one = full_scalar(xp, 1.0, spec.cdtype, spec.device)
+    if s.shape[-1] == 0:  # no keys at all (S = 0): every row is empty; max has no identity
+        return s, xp.full(tuple(s.shape[:-1]), -float("inf"), dtype=spec.cdtype, device=spec.device)
     m = xp.max(s, axis=-1, keepdims=True)
     m = xp.where(xp.isfinite(m), m, zero)  # empty rows: exp(-inf - 0) = 0
     e = xp.exp(s - m)
@@ -189,29 +207,16 @@ def backward(
     rows, cols = index_block(spec, 0, spec.L, 0, spec.S)
     s, tanh = scores_block(spec, qg, kg, mask_g, rows, cols)
     p = probabilities_from_lse(spec, s, xp.astype(_group_lse(spec, lse), cd))
+    # A huge finite bias (Hugging Face's finfo.min masks) can absorb log(rowsum) into the
+    # LSE (m + log S == m in floating point): exp(S - LSE) then sums to S, not 1. The whole
+    # row is at hand here, so renormalise (a no-op up to rounding for ordinary rows).
+    total = xp.sum(p, axis=-1, keepdims=True)
+    nonempty = total > 0
+    p = p / xp.where(nonempty, total, full_scalar(xp, 1.0, cd, spec.device))
 
     grouped_rows = spec.lead + (spec.Hq // spec.G, spec.G, spec.L)
-    ds = None
-    dv_g = None
-    if d_out is not None:
-        do_g = xp.astype(spec.group_rows(d_out, spec.out_shape), cd)
-        o_g = xp.astype(spec.group_rows(out, spec.out_shape), cd)
-        if spec.dropout_p > 0:
-            keep = dropout_block(spec, rows, cols)
-            inv_keep = 1.0 / (1.0 - spec.dropout_p)
-            zero = full_scalar(xp, 0.0, cd, spec.device)
-            p_drop = xp.where(keep, p * inv_keep, zero)
-        else:
-            p_drop = p
-        dv_g = xp.matmul(xp.matrix_transpose(p_drop), do_g)
-        dp = xp.matmul(do_g, xp.matrix_transpose(vg))
-        if spec.dropout_p > 0:
-            dp = xp.where(keep, dp * inv_keep, zero)
-        delta = xp.sum(do_g * o_g, axis=-1, keepdims=True)
-        ds = p * (dp - delta)
-    if d_lse is not None:
-        dl = xp.astype(_group_lse(spec, d_lse), cd)
-        ds = p * dl if ds is None else ds + p * dl
+    do_g, delta, dl = backward_rows(spec, out, d_out, d_lse)
+    ds, dv_g = backward_block(spec, p, vg, do_g, delta, dl, rows, cols)
     if ds is None:
         ds = xp.zeros(grouped_rows + (spec.S,), dtype=cd, device=spec.device)
     dq, dk, d_mask = scores_pullback(spec, qg, kg, ds, tanh, attn_mask)
@@ -220,6 +225,74 @@ def backward(
     else:
         dv = _reduce_kv(spec, dv_g, spec.v_shape, spec.dtype)
     return dq, dk, dv, d_mask
+
+
+def backward_rows(
+    spec: AttentionSpec, out: Array, d_out: Array | None, d_lse: Array | None
+) -> tuple[Array | None, Array | None, Array | None]:
+    """Per-row inputs of the backward in the grouped layout and compute dtype:
+    ``dO``, ``D = rowsum(dO * O)`` (trailing axis 1) and ``dLSE`` (trailing axis 1),
+    each ``None`` when its cotangent is absent."""
+    xp = spec.xp
+    cd = spec.cdtype
+    do_g = delta = dl = None
+    if d_out is not None:
+        do_g = xp.astype(spec.group_rows(d_out, spec.out_shape), cd, copy=False)
+        o_g = xp.astype(spec.group_rows(out, spec.out_shape), cd, copy=False)
+        delta = xp.sum(do_g * o_g, axis=-1, keepdims=True)
+    if d_lse is not None:
+        dl = xp.astype(_group_lse(spec, d_lse), cd)
+    return do_g, delta, dl
+
+
+def backward_block(
+    spec: AttentionSpec,
+    p: Array,
+    vg: Array,
+    do_g: Array | None,
+    delta: Array | None,
+    dl: Array | None,
+    rows: Array,
+    cols: Array,
+) -> tuple[Array | None, Array | None]:
+    """Gradient of the final masked scores ``dS = P * (dP - D) + P * dLSE`` for one block
+    and the block's grouped value gradient ``P_dropped^T dO``, from the probabilities
+    ``p = exp(S - LSE)`` of the block (grouped layout, compute dtype). ``do_g``/``delta``/
+    ``dl`` are the block's rows from :func:`backward_rows`; ``vg`` the block's values.
+    Either result is ``None`` when no cotangent feeds it."""
+    xp = spec.xp
+    ds = None
+    dv_g = None
+    if do_g is not None:
+        if spec.dropout_p > 0:
+            keep = dropout_block(spec, rows, cols)
+            inv_keep = 1.0 / (1.0 - spec.dropout_p)
+            zero = full_scalar(xp, 0.0, spec.cdtype, spec.device)
+            p_drop = xp.where(keep, p * inv_keep, zero)
+        else:
+            p_drop = p
+        dv_g = xp.matmul(xp.matrix_transpose(p_drop), do_g)
+        dp = xp.matmul(do_g, xp.matrix_transpose(vg))
+        if spec.dropout_p > 0:
+            dp = xp.where(keep, dp * inv_keep, zero)
+        ds = p * (dp - delta)
+    if dl is not None:
+        ds = p * dl if ds is None else ds + p * dl
+    return ds, dv_g
+
+
+def scores_grad_block(
+    spec: AttentionSpec, qg: Array, kg: Array, ds: Array, tanh: Array | None
+) -> tuple[Array, Array]:
+    """Grouped, unreduced ``(dQ, dK)`` of a block from the gradient ``ds`` of its final
+    masked scores: through the softcap (``1 - tanh^2``) and the scale, then
+    ``dS K`` and ``dS^T Q``."""
+    xp = spec.xp
+    if tanh is not None:
+        ds = ds * (1.0 - tanh * tanh)
+    if spec.scale != 1.0:
+        ds = ds * spec.scale
+    return xp.matmul(ds, kg), xp.matmul(xp.matrix_transpose(ds), qg)
 
 
 def scores_pullback(
@@ -237,12 +310,9 @@ def scores_pullback(
     d_mask = None
     if spec.mask_kind == "float":
         d_mask = _reduce_to(spec, spec.ungroup_rows(ds), spec.mask_shape, attn_mask.dtype)
-    if tanh is not None:
-        ds = ds * (1.0 - tanh * tanh)
-    if spec.scale != 1.0:
-        ds = ds * spec.scale
-    dq = _reduce_to(spec, spec.ungroup_rows(xp.matmul(ds, kg)), spec.q_shape, spec.dtype)
-    dk = _reduce_kv(spec, xp.matmul(xp.matrix_transpose(ds), qg), spec.k_shape, spec.dtype)
+    dq_g, dk_g = scores_grad_block(spec, qg, kg, ds, tanh)
+    dq = _reduce_to(spec, spec.ungroup_rows(dq_g), spec.q_shape, spec.dtype)
+    dk = _reduce_kv(spec, dk_g, spec.k_shape, spec.dtype)
     return dq, dk, d_mask
 
 

@@ -53,6 +53,8 @@ class _Registered:
     # For "auto": returns None when the implementation takes this call, else a reason.
     declines: Callable[[AttentionSpec], str | None]
     auto_rank: int | None  # lower runs first under "auto"; None: only when named
+    # Extra condition for "auto" only (e.g. "only above a size"); None: always willing.
+    auto_declines: Callable[[AttentionSpec], str | None] | None = None
 
 
 _REGISTRY: dict[str, _Registered] = {}
@@ -63,14 +65,18 @@ def register_implementation(
     impl: Any,
     declines: Callable[[AttentionSpec], str | None] = lambda spec: None,
     auto_rank: int | None = None,
+    auto_declines: Callable[[AttentionSpec], str | None] | None = None,
 ) -> None:
     """Register an attention implementation under ``name``.
 
     ``declines(spec)`` returns ``None`` when it can run the call, else a short reason
     (used for the error when the implementation is forced). ``auto_rank`` places it in
     ``implementation="auto"``'s order (lower first); the composed path is always last.
+    ``auto_declines(spec)``, when given, is consulted only by ``"auto"``: a call it
+    declines still runs when the implementation is named (e.g. the chunked path, which
+    ``"auto"`` picks only for large score matrices).
     """
-    _REGISTRY[name] = _Registered(impl, declines, auto_rank)
+    _REGISTRY[name] = _Registered(impl, declines, auto_rank, auto_declines)
 
 
 def implementations() -> tuple[str, ...]:
@@ -87,7 +93,9 @@ def _select(spec: AttentionSpec, implementation: str) -> Any:
             (r for r in _REGISTRY.values() if r.auto_rank is not None), key=lambda r: r.auto_rank
         )
         for r in ranked:
-            if r.declines(spec) is None:
+            if r.declines(spec) is None and (
+                r.auto_declines is None or r.auto_declines(spec) is None
+            ):
                 return r.impl
         return _composed
     reg = _REGISTRY.get(implementation)
@@ -117,6 +125,8 @@ def scaled_dot_product_attention(
     seed: int | None = None,
     return_lse: bool = False,
     implementation: str = "auto",
+    q_lengths: Array | None = None,
+    kv_lengths: Array | None = None,
 ) -> Array | tuple[Array, Array]:
     """Scaled dot-product attention with PyTorch's signature and semantics, plus
     FlashAttention's options.
@@ -144,7 +154,21 @@ def scaled_dot_product_attention(
         seed: dropout seed; the mask is a pure function of ``(seed, batch, head, i, j)``,
             identical on every backend. ``None`` draws one.
         return_lse: also return the log-sum-exp.
-        implementation: ``"auto"`` or a name from :func:`implementations`.
+        implementation: ``"auto"`` or a name from :func:`implementations`
+            (``"composed"``: whole ``L x S`` score matrices; ``"chunked"``: online
+            softmax over key blocks, memory ``O(L x block)``). ``"auto"`` tries the
+            registered paths by rank (a backend-specific fast path first, when one takes
+            the call), then ``"chunked"`` when the composed path's score matrix,
+            ``batch * Hq * L * S * 4`` bytes (8 for float64), would exceed
+            ``arrayattn.ops.chunked.AUTO_CHUNK_BYTES`` (256 MiB), else ``"composed"``.
+        q_lengths, kv_lengths: optional integer arrays of the broadcast batch shape
+            (``(B,)`` for 4-D inputs; ``()`` for 3-D), same library and device: the
+            number of valid queries / keys of each sequence (padding at the end; values
+            are clipped to ``[0, L]`` / ``[0, S]``). Keys ``j >= kv_lengths[b]`` are
+            masked; query rows ``i >= q_lengths[b]`` are empty (output 0, LSE ``-inf``,
+            zero gradients). With ``causal_align="bottom_right"`` each sequence's
+            diagonal is offset by ``kv_lengths[b] - q_lengths[b]`` (FlashAttention's
+            varlen semantics); ``"top_left"`` keeps offset 0. No dense mask is built.
 
     Rows with no key left return 0 (and LSE ``-inf``), never NaN.
 
@@ -173,6 +197,8 @@ def scaled_dot_product_attention(
         window,
         softcap,
         seed,
+        q_lengths=q_lengths,
+        kv_lengths=kv_lengths,
     )
     out, lse = _select(spec, implementation).forward(spec, query, key, value, attn_mask)
     return (out, lse) if return_lse else out
@@ -195,6 +221,8 @@ def _sdpa_vjp(
     seed: int | None = None,
     return_lse: bool = False,
     implementation: str = "auto",
+    q_lengths: Array | None = None,
+    kv_lengths: Array | None = None,
 ):
     spec = make_spec(
         query,
@@ -209,6 +237,8 @@ def _sdpa_vjp(
         window,
         softcap,
         seed,
+        q_lengths=q_lengths,
+        kv_lengths=kv_lengths,
     )
     impl = _select(spec, implementation)
     out, lse = impl.forward(spec, query, key, value, attn_mask)
@@ -251,12 +281,15 @@ def attention_weights(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     seed: int | None = None,
+    q_lengths: Array | None = None,
+    kv_lengths: Array | None = None,
 ) -> Array:
     """The attention probabilities ``(..., Hq, L, S)`` that
     :func:`scaled_dot_product_attention` with the same arguments multiplies into
     ``value`` (after dropout, when ``dropout_p > 0`` with the same ``seed``), in the
     input dtype. This is what ``need_weights`` / ``output_attentions`` give: it builds the
     whole ``L x S`` matrix, so use it for inspection, not for long sequences.
+    ``q_lengths``/``kv_lengths`` as in :func:`scaled_dot_product_attention`.
 
     Example::
 
@@ -279,6 +312,8 @@ def attention_weights(
         window,
         softcap,
         seed,
+        q_lengths,
+        kv_lengths,
     )
     p = _composed.probabilities(spec, query, key, attn_mask)
     return _weights_out(spec, p)
@@ -296,6 +331,8 @@ def _weights_spec(
     window,
     softcap,
     seed,
+    q_lengths=None,
+    kv_lengths=None,
 ) -> AttentionSpec:
     # The value plays no part in the weights; key stands in for it (same S, Ev = E).
     return make_spec(
@@ -311,6 +348,8 @@ def _weights_spec(
         window,
         softcap,
         seed,
+        q_lengths=q_lengths,
+        kv_lengths=kv_lengths,
     )
 
 
@@ -335,6 +374,8 @@ def _attention_weights_vjp(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     seed: int | None = None,
+    q_lengths: Array | None = None,
+    kv_lengths: Array | None = None,
 ):
     spec = _weights_spec(
         query,
@@ -348,6 +389,8 @@ def _attention_weights_vjp(
         window,
         softcap,
         seed,
+        q_lengths,
+        kv_lengths,
     )
     xp = spec.xp
     s, tanh, qg, kg = _composed.masked_scores(spec, query, key, attn_mask)

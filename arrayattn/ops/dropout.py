@@ -37,7 +37,9 @@ def normalize_seed(seed: int) -> int:
     """Reduce a Python integer seed to the 32 bits the mask depends on.
 
     Raises ``TypeError`` for anything but an integer (``bool`` included)."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if isinstance(seed, bool):  # operator.index(True) would pass
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if not isinstance(seed, int):
         try:
             import operator
 

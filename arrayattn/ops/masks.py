@@ -23,7 +23,9 @@ def parse_window(window: object) -> tuple[int, int] | None:
         raise ValueError(f"window must be a pair (left, right) of ints >= -1, got {window!r}")
     out = []
     for side, w in zip(("left", "right"), window, strict=True):
-        if isinstance(w, bool) or not isinstance(w, int):
+        if isinstance(w, bool):  # operator.index(True) would pass as 1
+            raise TypeError(f"window {side} must be an int >= -1, got bool")
+        if not isinstance(w, int):
             try:
                 import operator
 
@@ -70,24 +72,40 @@ class Structure:
         """True when every query sees every key."""
         return self.left < 0 and self.right < 0
 
-    def col_range(self, row_start: int, row_stop: int, S: int) -> tuple[int, int]:
+    def col_range(
+        self,
+        row_start: int,
+        row_stop: int,
+        S: int,
+        offset_bounds: tuple[int, int] | None = None,
+    ) -> tuple[int, int]:
         """The half-open range of keys that rows ``[row_start, row_stop)`` can touch.
 
         Used by blocked implementations to skip key blocks nobody in a query block sees.
-        The range may be empty (``start >= stop``)."""
-        lo = 0 if self.left < 0 else max(0, row_start + self.offset - self.left)
-        hi = S if self.right < 0 else min(S, row_stop - 1 + self.offset + self.right + 1)
+        The range may be empty (``start >= stop``). ``offset_bounds=(lo, hi)`` replaces
+        the diagonal offset by any value in ``[lo, hi]`` (per-sequence offsets that are
+        data, see ``q_lengths``/``kv_lengths``): the range then covers all of them."""
+        off_lo, off_hi = (self.offset, self.offset) if offset_bounds is None else offset_bounds
+        lo = 0 if self.left < 0 else max(0, row_start + off_lo - self.left)
+        hi = S if self.right < 0 else min(S, row_stop - 1 + off_hi + self.right + 1)
         return lo, max(lo, hi)
 
 
 def structural_allowed(
-    xp: Namespace, structure: Structure, rows: Array, cols: Array
+    xp: Namespace,
+    structure: Structure,
+    rows: Array,
+    cols: Array,
+    offset: Array | None = None,
 ) -> Array | None:
     """Boolean ``rows x cols`` "may attend" array for int index arrays ``rows`` (shape
-    ``(l, 1)``) and ``cols`` (shape ``(s,)``), or ``None`` when nothing is masked."""
+    ``(l, 1)``) and ``cols`` (shape ``(s,)``), or ``None`` when nothing is masked.
+
+    ``offset``, when given, is an int array replacing ``structure.offset`` (per-sequence
+    diagonals, shaped to broadcast against ``rows``, e.g. ``(*batch, 1, 1, 1, 1)``)."""
     if structure.is_trivial:
         return None
-    diag = rows + structure.offset
+    diag = rows + (structure.offset if offset is None else offset)
     allowed = None
     if structure.left >= 0:
         allowed = cols >= diag - structure.left

@@ -92,9 +92,9 @@ def _real_dtype(xp: Any, dtype: Any) -> Any:
         return xp.float32
     if dtype in (xp.complex128, xp.float64):
         return xp.float64
-    if dtype in (xp.complex64, xp.float32, xp.float16) or (
-        hasattr(xp, "bfloat16") and dtype == xp.bfloat16
-    ):
+    # float16/bfloat16 exist only in some namespaces (array-api-strict has neither).
+    low = tuple(getattr(xp, name) for name in ("float16", "bfloat16") if hasattr(xp, name))
+    if dtype in (xp.complex64, xp.float32) + low:
         return xp.float32
     raise TypeError(f"dtype must be a float or complex dtype, got {dtype!r}")
 

@@ -30,6 +30,8 @@ def _softmax(xp: Any, x: Array, axis: int) -> Array:
     cd = compute_dtype(xp, x.dtype)
     dev = device_of(x)
     xc = xp.astype(x, cd)
+    if x.shape[axis] == 0:  # nothing to normalise (and max has no identity)
+        return xc
     m = xp.max(xc, axis=axis, keepdims=True)
     m = xp.where(xp.isfinite(m), m, full_scalar(xp, 0.0, cd, dev))
     e = xp.exp(xc - m)

@@ -1,0 +1,11 @@
+"""Layers built on the ops: ``linear``, ``embedding``, activations, ``MultiHeadAttention``
+with a ``KVCache``. Parameters are plain dicts of arrays with Hugging Face names; every
+layer's backward is composed from the ops' hand-written pullbacks."""
+
+from .activations import erf, gelu, silu
+from .attention import MultiHeadAttention
+from .embedding import embedding
+from .kv_cache import KVCache
+from .linear import linear
+
+__all__ = ["linear", "embedding", "erf", "gelu", "silu", "MultiHeadAttention", "KVCache"]

@@ -1,0 +1,92 @@
+"""``linear``: the affine map of PyTorch's ``nn.Linear`` (weight layout ``(out, in)``), with
+its backward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._autodiff import register_vjp
+from .._backend import Array, compute_dtype, is_real_floating, namespace_of, prod
+
+__all__ = ["linear"]
+
+
+def _check(x: Array, weight: Array, bias: Array | None) -> Any:
+    xp = namespace_of(x=x, weight=weight, bias=bias)
+    for name, a in (("x", x), ("weight", weight), ("bias", bias)):
+        if a is not None and not is_real_floating(xp, a.dtype):
+            raise TypeError(f"{name} must have a real floating dtype, got {a.dtype}")
+    if weight.ndim != 2:
+        raise ValueError(
+            f"weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}"
+        )
+    if x.ndim < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"x's last dim must equal weight's in_features {weight.shape[1]} (weight shape "
+            f"{tuple(weight.shape)}), got x shape {tuple(x.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(
+            f"bias must have shape ({weight.shape[0]},) (out_features), got {tuple(bias.shape)}"
+        )
+    dtypes = {a.dtype for a in (x, weight, bias) if a is not None}
+    if len(dtypes) != 1:
+        raise TypeError(
+            f"x, weight and bias must share one dtype, got x {x.dtype}, weight {weight.dtype}"
+            + ("" if bias is None else f", bias {bias.dtype}")
+        )
+    return xp
+
+
+def _cast(xp: Any, a: Array, dtype: Any) -> Array:
+    # astype copies even when the dtype already matches; skip that copy.
+    return a if a.dtype == dtype else xp.astype(a, dtype)
+
+
+def _forward(xp: Any, x: Array, weight: Array, bias: Array | None) -> Array:
+    cd = compute_dtype(xp, x.dtype)
+    y = xp.matmul(_cast(xp, x, cd), xp.matrix_transpose(_cast(xp, weight, cd)))
+    if bias is not None:
+        y = y + _cast(xp, bias, cd)
+    return _cast(xp, y, x.dtype)
+
+
+def linear(x: Array, weight: Array, bias: Array | None = None) -> Array:
+    """``y = x @ weight.T + bias``, PyTorch's ``nn.functional.linear``.
+
+    Shapes: ``x`` ``(..., in_features)``, ``weight`` ``(out_features, in_features)``
+    (``nn.Linear`` and Hugging Face checkpoint layout), ``bias`` ``(out_features,)`` or
+    ``None`` -> ``(..., out_features)`` in ``x``'s dtype (float16 computes in float32).
+
+    Example::
+
+        >>> import numpy as np
+        >>> import arrayattn as aa
+        >>> w = np.arange(6.0).reshape(3, 2)          # out=3, in=2
+        >>> aa.nn.linear(np.ones((4, 2)), w, np.zeros(3)).shape
+        (4, 3)
+    """
+    xp = _check(x, weight, bias)
+    return _forward(xp, x, weight, bias)
+
+
+@register_vjp(linear)
+def _linear_vjp(x: Array, weight: Array, bias: Array | None = None):
+    xp = _check(x, weight, bias)
+    y = _forward(xp, x, weight, bias)
+
+    def pullback(dy: Array) -> tuple[Array, Array, Array | None]:
+        if tuple(dy.shape) != tuple(y.shape):
+            raise ValueError(f"cotangent has shape {tuple(dy.shape)}, expected {tuple(y.shape)}")
+        cd = compute_dtype(xp, x.dtype)
+        g = _cast(xp, dy, cd)
+        out_f, in_f = (int(d) for d in weight.shape)
+        n = prod(x.shape[:-1])
+        g2 = xp.reshape(g, (n, out_f))
+        x2 = xp.reshape(_cast(xp, x, cd), (n, in_f))
+        dx = xp.matmul(g, _cast(xp, weight, cd))
+        dw = xp.matmul(xp.matrix_transpose(g2), x2)
+        db = None if bias is None else _cast(xp, xp.sum(g2, axis=0), bias.dtype)
+        return _cast(xp, dx, x.dtype), _cast(xp, dw, weight.dtype), db
+
+    return y, pullback

@@ -1,0 +1,850 @@
+"""The NumPy fast path: tiled attention with BLAS products, in-place ufuncs and threads.
+
+This is the one attention module that is NumPy-specific (everything else is written
+against the array API). ``implementation="auto"`` picks it for NumPy arrays; it declines
+every other library, and calls it does not support, which then fall to the chunked or
+composed paths.
+
+How it works (see ``SEMANTICS.md`` for what it computes):
+
+- Forward tiles are ``(batch, query head, block of query rows)``. A tile multiplies its
+  scaled queries into the keys it can see (``Structure.col_range`` skips the keys a
+  causal or windowed block never touches) with BLAS, exponentiates in place and
+  multiplies into the values, one key block at a time with an online softmax when the
+  row block does not fit the cache budget. Only blocks cut by the causal/window edge
+  build a structural mask; user masks are sliced per tile from a broadcast view.
+- Softmax stabilisation: when a bound on every score of the tile (``|q_i| * max|k_j|``
+  times the scale, or the softcap) shows that ``exp`` cannot overflow, the row maximum is
+  not needed at all (a pass and a rescale fewer); rows whose sum underflows are recomputed
+  on the exact running-max path, which is also used whenever the bound is too loose or a
+  float mask adds arbitrary scores.
+- Backward follows FlashAttention-2 from the saved LSE. Work units are
+  ``(batch, KV head, key chunk)``: a unit owns its keys' ``dK``/``dV`` (summed over the
+  KV head's query-head group, so K/V are never repeated) and accumulates ``dQ`` of the
+  group's rows. ``P = exp(S - LSE)`` is written as ``diag(a) exp(S)`` with
+  ``a = exp(-LSE)`` when the same bound allows, so the factor goes on the small
+  ``(rows, head_dim)`` operands instead of the ``rows x keys`` block.
+- A thread pool runs the units (NumPy and BLAS release the GIL). While it does, BLAS is
+  limited to one thread through ``threadpoolctl`` when that package is installed, so the
+  pool's threads and BLAS's threads do not oversubscribe the cores. Without
+  ``threadpoolctl`` the pool still runs; OpenBLAS then decides its own threading per
+  product (``pip install threadpoolctl`` is recommended). ``ARRAYATTN_NUM_THREADS`` sets
+  the number of worker threads (default: the CPUs this process may use).
+
+No buffer of ``L x S`` elements is ever allocated: per worker the largest buffers hold
+``rows x key-block`` elements (:data:`BLOCK_ELEMENTS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from .._backend import is_numpy
+from ._attention_spec import AttentionSpec
+from .dropout import dropout_keep
+from .masks import Structure, structural_allowed
+
+__all__ = ["forward", "backward", "declines", "num_threads", "BLOCK_ELEMENTS"]
+
+# Tunables (measured on a 2-core AMD EPYC with 1 MiB L2 per core; see bench/RESULTS.md).
+FWD_ROWS = 256
+"""Query rows per forward tile."""
+BLOCK_ELEMENTS = 1 << 17
+"""Largest ``rows x keys`` block a worker holds (512 KiB in float32)."""
+BWD_ROWS = 256
+"""Query rows per backward block."""
+BWD_KEYS = 256
+"""Keys per backward block."""
+_SERIAL_WORK = 1 << 20
+"""Calls with fewer ``L x S x heads`` score elements than this run on the calling thread."""
+
+# exp(x) of float32 overflows above ~88.7 (float64: ~709.8); the static-shift path is
+# used only when scores, row sums and value sums stay well below that.
+_STATIC_LIMIT = {np.dtype(np.float32): 80.0, np.dtype(np.float64): 690.0}
+# A row sum below this (on the static path) may have lost precision to underflow.
+_TINY_SUM = {np.dtype(np.float32): 1e-25, np.dtype(np.float64): 1e-280}
+# Backward static path: |scores| bound and -LSE bound, so exp(S) and exp(-LSE) stay finite
+# and their products stay far from overflow.
+_BWD_STATIC_LIMIT = {np.dtype(np.float32): 40.0, np.dtype(np.float64): 340.0}
+
+_SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+# ---------------------------------------------------------------------------------------
+# Registration and declining
+# ---------------------------------------------------------------------------------------
+def declines(spec: AttentionSpec) -> str | None:
+    """``None`` when the fast path can run ``spec``, else the reason it cannot (then
+    ``"auto"`` moves on to the chunked/composed paths, and ``implementation="fast"``
+    raises a ``ValueError`` with the reason).
+
+    Example::
+
+        >>> import numpy as np
+        >>> from arrayattn.ops._attention_spec import make_spec
+        >>> q = np.ones((1, 2, 8, 4), dtype=np.float32)
+        >>> spec = make_spec(q, q, q, None, 0.0, False, None, False, "top_left", None,
+        ...                  None, None)
+        >>> declines(spec) is None
+        True
+    """
+    if not is_numpy(spec.xp):
+        return "the NumPy fast path runs on NumPy arrays only"
+    if np.dtype(spec.dtype) not in _SUPPORTED_DTYPES:
+        return f"the NumPy fast path supports float16/float32/float64, got {spec.dtype}"
+    if min(spec.L, spec.S, spec.E, spec.Ev) == 0:
+        return "the NumPy fast path needs non-empty L, S and head dims"
+    return None
+
+
+def num_threads() -> int:
+    """Worker threads the fast path uses: ``ARRAYATTN_NUM_THREADS`` or the usable CPUs.
+
+    Example::
+
+        >>> num_threads() >= 1
+        True
+    """
+    env = os.environ.get("ARRAYATTN_NUM_THREADS", "").strip()
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            raise ValueError(
+                f"ARRAYATTN_NUM_THREADS must be a positive integer, got {env!r}"
+            ) from None
+        if n < 1:
+            raise ValueError(f"ARRAYATTN_NUM_THREADS must be a positive integer, got {n}")
+        return n
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_SIZE = 0
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    global _POOL, _POOL_SIZE
+    with _POOL_LOCK:
+        if _POOL is None or _POOL_SIZE != n:
+            if _POOL is not None:
+                _POOL.shutdown(wait=False)
+            _POOL = ThreadPoolExecutor(max_workers=n, thread_name_prefix="arrayattn-fast")
+            _POOL_SIZE = n
+        return _POOL
+
+
+class _SingleThreadedBlas:
+    """Limits BLAS to one thread while any fast-path call runs its pool (threadpoolctl).
+
+    threadpoolctl's limit is process-wide, so concurrent calls share one limit: the first
+    to enter sets it, the last to leave restores the user's setting."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._limiter: Any = None
+        self._controller: Any = None
+        self._ready = False
+
+    def _get_controller(self) -> Any:
+        if not self._ready:
+            try:
+                from threadpoolctl import ThreadpoolController
+
+                self._controller = ThreadpoolController()
+            except Exception:  # not installed (optional), or it failed to inspect
+                self._controller = None
+            self._ready = True
+        return self._controller
+
+    def __enter__(self) -> None:
+        with self._lock:
+            controller = self._get_controller()
+            if controller is not None and self._depth == 0:
+                self._limiter = controller.limit(limits=1, user_api="blas")
+            self._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0 and self._limiter is not None:
+                self._limiter.restore_original_limits()
+                self._limiter = None
+
+
+_BLAS_ONE_THREAD = _SingleThreadedBlas()
+
+
+def _run_units(
+    units: Sequence[Any],
+    make_state: Callable[[], Any],
+    work: Callable[[Any, Any], None],
+    serial: bool,
+) -> None:
+    """Run ``work(state, unit)`` for every unit, on the pool unless ``serial``; each worker
+    thread builds its own ``state`` (its buffers) once and takes units in order."""
+    n = num_threads()
+    if serial or n == 1 or len(units) <= 1:
+        state = make_state()
+        for u in units:
+            work(state, u)
+        return
+    n = min(n, len(units))
+    counter = itertools.count()
+    total = len(units)
+
+    def worker() -> None:
+        state = make_state()
+        while True:
+            i = next(counter)  # atomic under the GIL
+            if i >= total:
+                return
+            work(state, units[i])
+
+    with _BLAS_ONE_THREAD:
+        futures = [_pool(num_threads()).submit(worker) for _ in range(n)]
+        for f in futures:
+            f.result()
+
+
+# ---------------------------------------------------------------------------------------
+# Layout: broadcast views, indices, structural helpers
+# ---------------------------------------------------------------------------------------
+class _Layout:
+    """Broadcast views of the inputs in ``(*lead, heads, seq, dim)`` and index helpers."""
+
+    def __init__(self, spec: AttentionSpec, query, key, value, attn_mask):
+        self.spec = spec
+        cd = np.dtype(spec.cdtype)
+        self.cd = cd
+        nd = len(spec.lead) + 3
+        self.lead_index = list(np.ndindex(*spec.lead)) if spec.lead else [()]
+        self.q = self._view(query, spec.q_shape, nd, (spec.Hq, spec.L, spec.E), cd)
+        self.k = self._view(key, spec.k_shape, nd, (spec.Hkv, spec.S, spec.E), cd)
+        self.v = self._view(value, spec.v_shape, nd, (spec.Hkv, spec.S, spec.Ev), cd)
+        self.mask = None
+        if attn_mask is not None:
+            m = np.asarray(attn_mask)
+            m = m.reshape((1,) * (nd - m.ndim) + m.shape)
+            self.mask_padded_shape = m.shape
+            self.mask = np.broadcast_to(m, spec.lead + (spec.Hq, spec.L, spec.S))
+        self.scale = spec.scale
+        # Per-sequence lengths: rows >= q_len are empty, keys >= kv_len excluded, and
+        # bottom-right alignment puts each sequence's diagonal at its own offset.
+        nb = len(self.lead_index)
+        self.q_len = _per_batch(getattr(spec, "q_len_g", None), nb, spec.L)
+        self.kv_len = _per_batch(getattr(spec, "kv_len_g", None), nb, spec.S)
+        offsets = getattr(spec, "offset_g", None)
+        st = spec.structure
+        if offsets is None:
+            self.structs = [st] * nb
+        else:
+            flat = np.asarray(offsets).reshape(-1)
+            self.structs = [dataclasses.replace(st, offset=int(flat[i])) for i in range(nb)]
+        self.limit = _STATIC_LIMIT[cd]
+        self.tiny = _TINY_SUM[cd]
+
+    def _view(self, x, shape, nd, tail, cd):
+        a = np.asarray(x)
+        if a.dtype != cd:
+            a = a.astype(cd)
+        a = a.reshape((1,) * (nd - a.ndim) + a.shape)
+        return np.broadcast_to(a, self.spec.lead + tail)
+
+    def kv_head(self, h: int) -> int:
+        spec = self.spec
+        if spec.Hkv == 1:
+            return 0
+        return h // spec.G
+
+    def heads_of(self, hk: int) -> list[int]:
+        return [h for h in range(self.spec.Hq) if self.kv_head(h) == hk]
+
+
+def _per_batch(lengths: Any, nb: int, default: int) -> list[int]:
+    if lengths is None:
+        return [default] * nb
+    return [int(x) for x in np.asarray(lengths).reshape(-1)]
+
+
+def _row_range(st: Structure, c0: int, c1: int, L: int) -> tuple[int, int]:
+    """Half-open range of query rows that can see at least one key of ``[c0, c1)``."""
+    lo = 0 if st.right < 0 else max(0, c0 - st.offset - st.right)
+    hi = L if st.left < 0 else min(L, c1 - 1 - st.offset + st.left + 1)
+    return lo, max(lo, hi)
+
+
+def _fully_visible(st: Structure, r0: int, r1: int, c0: int, c1: int) -> bool:
+    """True when every row of ``[r0, r1)`` sees every key of ``[c0, c1)``."""
+    if st.right >= 0 and r0 + st.offset + st.right < c1 - 1:
+        return False
+    if st.left >= 0 and r1 - 1 + st.offset - st.left > c0:
+        return False
+    return True
+
+
+_EXCLUDED_CACHE: dict[tuple[int, ...], np.ndarray] = {}
+
+
+def _blocked_out(st: Structure, r0: int, r1: int, c0: int, c1: int) -> np.ndarray | None:
+    """Boolean ``(r1-r0, c1-c0)`` array of structurally *excluded* pairs, or ``None``.
+
+    The pattern depends only on the block's shape and its diagonal's position, so it is
+    cached (blocks along the causal diagonal repeat it)."""
+    if _fully_visible(st, r0, r1, c0, c1):
+        return None
+    key = (r1 - r0, c1 - c0, r0 + st.offset - c0, st.left, st.right)
+    excluded = _EXCLUDED_CACHE.get(key)
+    if excluded is None:
+        rows = np.arange(r0, r1, dtype=np.int32).reshape(-1, 1)
+        cols = np.arange(c0, c1, dtype=np.int32)
+        excluded = np.logical_not(structural_allowed(np, st, rows, cols))
+        if len(_EXCLUDED_CACHE) > 512:
+            _EXCLUDED_CACHE.clear()
+        _EXCLUDED_CACHE[key] = excluded
+    return excluded
+
+
+def _key_spans(st: Structure, r0: int, r1: int, c_lo: int, c_hi: int, width: int):
+    """Key blocks of at most ``width`` covering ``[c_lo, c_hi)`` for rows ``[r0, r1)``,
+    cut so that the keys every row sees form whole blocks and only the (narrow) window
+    edges need a structural mask."""
+    full_lo = c_lo if st.left < 0 else max(c_lo, r1 - 1 + st.offset - st.left)
+    full_hi = c_hi if st.right < 0 else min(c_hi, r0 + st.offset + st.right + 1)
+    if full_lo >= full_hi:
+        return _spans(c_lo, c_hi, width)
+    return (
+        _spans(c_lo, full_lo, width)
+        + _spans(full_lo, full_hi, width)
+        + _spans(full_hi, c_hi, width)
+    )
+
+
+def _norms(x: np.ndarray) -> np.ndarray:
+    """Euclidean norms over the last axis (float64 for a safe bound)."""
+    return np.sqrt(np.einsum("...d,...d->...", x, x, dtype=np.float64))
+
+
+def _spans(start: int, stop: int, step: int) -> list[tuple[int, int]]:
+    return [(a, min(a + step, stop)) for a in range(start, stop, step)]
+
+
+# ---------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------
+class _FwdState:
+    def __init__(self, rows: int, keys: int, E: int, Ev: int, cd: np.dtype):
+        self.s = np.empty((rows, keys), cd)
+        self.q = np.empty((rows, E), cd)
+        self.acc_tmp = np.empty((rows, Ev), cd)
+        self.l_tmp = np.empty((rows,), cd)
+        self.ones = np.ones((keys,), cd)
+        self.bool = np.empty((rows, keys), np.bool_)
+
+
+def forward(
+    spec: AttentionSpec,
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    attn_mask: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Attention output ``(..., Hq, L, Ev)`` in the input dtype and LSE ``(..., Hq, L)``
+    in float32 (float64 for float64 inputs), as :func:`arrayattn.ops._composed.forward`,
+    computed tile by tile. Users reach it through ``scaled_dot_product_attention``.
+
+    Example::
+
+        >>> import numpy as np
+        >>> import arrayattn as aa
+        >>> q = np.ones((1, 2, 8, 4), dtype=np.float32)
+        >>> aa.scaled_dot_product_attention(q, q, q, implementation="fast").shape
+        (1, 2, 8, 4)
+    """
+    lay = _Layout(spec, query, key, value, attn_mask)
+    cd = lay.cd
+    nb = len(lay.lead_index)
+    out = np.empty(spec.lead + (spec.Hq, spec.L, spec.Ev), cd)
+    lse = np.empty(spec.lead + (spec.Hq, spec.L), cd)
+
+    rows = min(FWD_ROWS, spec.L)
+    width = max(1, min(spec.S, BLOCK_ELEMENTS // rows))
+    static_bound = _static_bounds(spec, lay)
+
+    units = []
+    for bi in range(nb):
+        for h in range(spec.Hq):
+            for r0, r1 in _spans(0, spec.L, rows):
+                rv = min(r1, lay.q_len[bi])
+                c0, c1 = lay.structs[bi].col_range(r0, rv, lay.kv_len[bi]) if rv > r0 else (0, 0)
+                units.append((c1 - c0, bi, h, r0, r1))
+    units.sort(key=lambda u: -u[0])  # longest first balances causal work
+    serial = spec.Hq * nb * spec.L * spec.S < _SERIAL_WORK
+
+    def make_state():
+        return _FwdState(rows, width, spec.E, spec.Ev, cd)
+
+    def work(state, unit):
+        _, bi, h, r0, r1 = unit
+        _forward_tile(spec, lay, state, static_bound, out, lse, bi, h, r0, r1, width)
+
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"):
+        _run_units(units, make_state, work, serial)
+
+    out_user = out.astype(spec.dtype, copy=False).reshape(spec.out_shape)
+    return out_user, lse.reshape(spec.lse_shape)
+
+
+def _static_bounds(spec: AttentionSpec, lay: _Layout):
+    """Per-(batch, query head, row) upper bound on ``|score|`` (or ``None`` when a float
+    mask rules the static shift out), and the extra log-room the sums need."""
+    if spec.mask_kind == "float":
+        return None
+    q_norm = _norms(lay.q) * abs(spec.scale)  # (*lead, Hq, L)
+    k_max = _norms(lay.k).max(axis=-1)  # (*lead, Hkv)
+    v_max = float(np.max(np.abs(lay.v))) if lay.v.size else 0.0
+    room = math.log(max(spec.S, 1)) + math.log(max(v_max, 1.0))
+    if not math.isfinite(room):
+        return None
+    # Bound per (lead, Hq, L): |q_i| * max_j |k_j| for the KV head of each query head.
+    kv_of = np.array([lay.kv_head(h) for h in range(spec.Hq)])
+    bound = q_norm * k_max[..., kv_of][..., None]
+    if spec.softcap is not None:
+        bound = np.minimum(bound, spec.softcap)
+    return bound, room
+
+
+def _forward_tile(spec, lay, st, static_bound, out, lse, bi, h, r0, r1, width):
+    b = lay.lead_index[bi]
+    valid = min(r1, lay.q_len[bi])  # rows from q_len on are empty
+    if valid < r1:
+        out[b + (h, slice(max(r0, valid), r1))] = 0
+        lse[b + (h, slice(max(r0, valid), r1))] = -np.inf
+        if valid <= r0:
+            return
+        r1 = valid
+    c_lo, c_hi = lay.structs[bi].col_range(r0, r1, lay.kv_len[bi])
+    out_t = out[b + (h, slice(r0, r1))]
+    lse_t = lse[b + (h, slice(r0, r1))]
+    if c_hi <= c_lo:
+        out_t[...] = 0
+        lse_t[...] = -np.inf
+        return
+    static = False
+    if static_bound is not None:
+        bound, room = static_bound
+        static = float(bound[b + (h, slice(r0, r1))].max()) + room <= lay.limit
+    args = (spec, lay, st, bi, h, r0, r1, c_lo, c_hi, width, out_t, lse_t)
+    if static and _forward_rows(*args, static=True):
+        return
+    _forward_rows(*args, static=False)
+
+
+def _scores(spec, lay, st, structure, b, h, hk, r0, r1, c0, c1, q_t, s):
+    """Final masked scores of rows ``[r0, r1)`` x keys ``[c0, c1)`` into ``s`` (in place)."""
+    np.matmul(q_t, lay.k[b + (hk, slice(c0, c1))].T, out=s)
+    if spec.softcap is not None:
+        np.tanh(s, out=s)
+        np.multiply(s, spec.softcap, out=s)
+    if lay.mask is not None:
+        m = lay.mask[b + (h, slice(r0, r1), slice(c0, c1))]
+        if spec.mask_kind == "float":
+            np.add(s, m, out=s)
+        else:
+            excluded = np.logical_not(m, out=st.bool[: r1 - r0, : c1 - c0])
+            np.copyto(s, -np.inf, where=excluded)
+    blocked = _blocked_out(structure, r0, r1, c0, c1)
+    if blocked is not None:
+        np.copyto(s, -np.inf, where=blocked)
+
+
+def _scaled_query(spec, lay, b, h, r0, r1, out):
+    """Queries of the rows times the scale (divided by the softcap when there is one,
+    so that ``tanh`` reads the matmul's output directly)."""
+    factor = spec.scale if spec.softcap is None else spec.scale / spec.softcap
+    np.multiply(lay.q[b + (h, slice(r0, r1))], factor, out=out)
+    return out
+
+
+def _forward_rows(spec, lay, st, bi, h, r0, r1, c_lo, c_hi, width, out_t, lse_t, static):
+    """One tile. Returns ``False`` (having written nothing usable) when the static path's
+    row sums underflowed and the exact path must redo the tile."""
+    b = lay.lead_index[bi]
+    hk = lay.kv_head(h)
+    n = r1 - r0
+    q_t = _scaled_query(spec, lay, b, h, r0, r1, st.q[:n])
+    l_sum = np.zeros((n,), lay.cd)
+    m = None if static else np.full((n,), -np.inf, lay.cd)
+    dropout = spec.dropout_p > 0
+    first = True
+    structure = lay.structs[bi]
+    for c0, c1 in _key_spans(structure, r0, r1, c_lo, c_hi, width):
+        w = c1 - c0
+        s = st.s[:n, :w]
+        _scores(spec, lay, st, structure, b, h, hk, r0, r1, c0, c1, q_t, s)
+        if static:
+            np.exp(s, out=s)
+        else:
+            m_blk = np.max(s, axis=1)
+            m_new = np.maximum(m, m_blk)
+            shift = np.where(np.isfinite(m_new), m_new, 0.0).astype(lay.cd, copy=False)
+            if not first:
+                alpha = np.exp(m - shift)  # m = -inf gives 0: nothing accumulated yet
+                np.multiply(out_t, alpha[:, None], out=out_t)
+                np.multiply(l_sum, alpha, out=l_sum)
+            m = m_new
+            np.subtract(s, shift[:, None], out=s)
+            np.exp(s, out=s)
+        l_blk = np.matmul(s, st.ones[:w], out=st.l_tmp[:n])
+        np.add(l_sum, l_blk, out=l_sum)
+        if dropout:
+            rows_i = np.arange(r0, r1, dtype=np.int32).reshape(-1, 1)
+            cols_i = np.arange(c0, c1, dtype=np.int32)
+            keep = dropout_keep(
+                np, spec.seed, spec.dropout_p, np.int32(bi), np.int32(h), rows_i, cols_i
+            )
+            np.multiply(s, keep, out=s)
+        v_blk = lay.v[b + (hk, slice(c0, c1))]
+        if first:
+            np.matmul(s, v_blk, out=out_t)
+        else:
+            tmp = np.matmul(s, v_blk, out=st.acc_tmp[:n])
+            np.add(out_t, tmp, out=out_t)
+        first = False
+    if static:
+        # Underflowed (or empty) rows: the exact path knows whether a row is empty.
+        if np.any(l_sum < lay.tiny):
+            return False
+        np.log(l_sum, out=lse_t)
+    else:
+        shift = np.where(np.isfinite(m), m, 0.0)
+        with np.errstate(divide="ignore"):
+            np.add(shift, np.log(l_sum), out=lse_t)
+        lse_t[l_sum <= 0] = -np.inf
+    inv = np.where(l_sum > 0, 1.0 / np.where(l_sum > 0, l_sum, 1.0), 0.0).astype(lay.cd)
+    if dropout:
+        inv *= 1.0 / (1.0 - spec.dropout_p)
+    np.multiply(out_t, inv[:, None], out=out_t)
+    return True
+
+
+# ---------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------
+class _BwdState:
+    def __init__(self, rows: int, keys: int, E: int, Ev: int, cd: np.dtype, spec):
+        self.e = np.empty((rows, keys), cd)
+        self.dp = np.empty((rows, keys), cd)
+        self.t = np.empty((rows, keys), cd) if spec.softcap is not None else None
+        self.ed = np.empty((rows, keys), cd) if spec.dropout_p > 0 else None
+        self.bool = np.empty((rows, keys), np.bool_)
+        self.q = np.empty((rows, E), cd)
+        self.qa = np.empty((rows, E), cd)
+        self.do = np.empty((rows, Ev), cd)
+        self.doa = np.empty((rows, Ev), cd)
+        self.tmp_q = np.empty((rows, E), cd)
+        self.tmp_k = np.empty((keys, E), cd)
+        self.tmp_v = np.empty((keys, Ev), cd)
+        self.dk = np.empty((keys, E), cd)
+        self.dv = np.empty((keys, Ev), cd)
+
+
+def backward(
+    spec: AttentionSpec,
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    attn_mask: np.ndarray | None,
+    out: np.ndarray,
+    lse: np.ndarray,
+    d_out: np.ndarray | None,
+    d_lse: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """``(d_query, d_key, d_value, d_mask)`` in the arguments' own shapes and dtypes, as
+    :func:`arrayattn.ops._composed.backward`: FlashAttention-2 from the saved LSE, block
+    by block (``d_mask`` only for a float mask). Users reach it through ``arrayattn.vjp``.
+
+    Example::
+
+        >>> import numpy as np
+        >>> import arrayattn as aa
+        >>> q = np.ones((1, 2, 8, 4), dtype=np.float32)
+        >>> out, pullback = aa.vjp(aa.scaled_dot_product_attention, q, q, q,
+        ...                        implementation="fast")
+        >>> [g.shape for g in pullback(np.ones_like(out))]
+        [(1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8, 4)]
+    """
+    lay = _Layout(spec, query, key, value, attn_mask)
+    cd = lay.cd
+    nb = len(lay.lead_index)
+    lead = spec.lead
+    rows_shape = lead + (spec.Hq, spec.L)
+    lse_f = np.broadcast_to(np.asarray(lse, dtype=cd).reshape(spec.lse_shape), rows_shape)
+    finite = np.isfinite(lse_f)
+    lse_safe = np.where(finite, lse_f, 0.0).astype(cd)
+    limit = _BWD_STATIC_LIMIT[cd]
+    with np.errstate(over="ignore"):
+        a_static = np.where(finite, np.exp(-lse_safe), 0.0).astype(cd)
+
+    # delta_eff = rowsum(dO * O) - dLSE, so that dS = P * (dP - delta_eff).
+    if d_out is not None:
+        do_f = _broadcast_rows(spec, d_out, cd, spec.Ev)
+        o_f = _broadcast_rows(spec, out, cd, spec.Ev)
+        delta = np.einsum("...d,...d->...", do_f, o_f)
+    else:
+        do_f = None
+        delta = np.zeros(rows_shape, cd)
+    if d_lse is not None:
+        dl = np.broadcast_to(np.asarray(d_lse, dtype=cd).reshape(spec.lse_shape), rows_shape)
+        delta = delta - dl
+    delta = delta.astype(cd, copy=False)
+
+    bound = None
+    sb = _static_bounds(spec, lay)
+    if sb is not None:
+        bound = sb[0]
+
+    Hkv = spec.Hkv
+    n_key_blocks = -(-spec.S // BWD_KEYS)
+    n_threads = num_threads()
+    chunks = 1
+    if n_threads > 1 and nb * Hkv < 2 * n_threads:
+        chunks = max(1, min(n_key_blocks, -(-2 * n_threads // (nb * Hkv))))
+    dq_parts = np.zeros((chunks,) + lead + (spec.Hq, spec.L, spec.E), cd)
+    dk_f = np.zeros(lead + (Hkv, spec.S, spec.E), cd)
+    dv_f = np.zeros(lead + (Hkv, spec.S, spec.Ev), cd)
+    d_mask_acc = None
+    mask_lock = threading.Lock()
+    if spec.mask_kind == "float":
+        d_mask_acc = np.zeros(lay.mask_padded_shape, cd)
+
+    key_spans = _spans(0, spec.S, BWD_KEYS)
+    per_chunk = -(-len(key_spans) // chunks)
+    units = []
+    for bi in range(nb):
+        for hk in range(Hkv):
+            for c in range(chunks):
+                spans = key_spans[c * per_chunk : (c + 1) * per_chunk]
+                if spans:
+                    units.append((bi, hk, c, spans))
+    serial = spec.Hq * nb * spec.L * spec.S < _SERIAL_WORK
+    rows = min(BWD_ROWS, spec.L)
+    keys = min(BWD_KEYS, spec.S)
+    ctx = dict(
+        lay=lay,
+        lse_safe=lse_safe,
+        a_static=a_static,
+        delta=delta,
+        do_f=do_f,
+        bound=bound,
+        limit=limit,
+        dq_parts=dq_parts,
+        dk_f=dk_f,
+        dv_f=dv_f,
+        d_mask_acc=d_mask_acc,
+        mask_lock=mask_lock,
+        rows=rows,
+    )
+
+    def make_state():
+        return _BwdState(rows, keys, spec.E, spec.Ev, cd, spec)
+
+    def work(state, unit):
+        _backward_unit(spec, ctx, state, unit)
+
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"):
+        _run_units(units, make_state, work, serial)
+
+    dq = dq_parts[0] if chunks == 1 else dq_parts.sum(axis=0)
+    d_query = _reduce(spec, dq, spec.q_shape, spec.dtype)
+    d_key = _reduce(spec, dk_f, spec.k_shape, spec.dtype)
+    d_value = _reduce(spec, dv_f, spec.v_shape, spec.dtype)
+    d_mask = None
+    if d_mask_acc is not None:
+        d_mask = _reduce(spec, d_mask_acc, spec.mask_shape, attn_mask.dtype)
+    return d_query, d_key, d_value, d_mask
+
+
+def _broadcast_rows(spec, x, cd, width):
+    a = np.asarray(x, dtype=cd).reshape(spec.out_shape[:-1] + (width,))
+    nd = len(spec.lead) + 3
+    a = a.reshape((1,) * (nd - a.ndim) + a.shape)
+    return np.broadcast_to(a, spec.lead + (spec.Hq, spec.L, width))
+
+
+def _reduce(spec, x, shape, dtype):
+    """Sum a full-lead gradient over broadcast dims to the argument's own shape."""
+    nd = len(spec.lead) + 3
+    padded = (1,) * (nd - len(shape)) + tuple(shape)
+    axes = tuple(i for i, (d, t) in enumerate(zip(padded, x.shape, strict=True)) if d != t)
+    if axes:
+        x = x.sum(axis=axes, keepdims=True)
+    return x.reshape(shape).astype(dtype, copy=False)
+
+
+def _backward_unit(spec, ctx, st, unit):
+    bi, hk, chunk, spans = unit
+    lay = ctx["lay"]
+    b = lay.lead_index[bi]
+    heads = lay.heads_of(hk)
+    dq = ctx["dq_parts"][chunk]
+    structure = lay.structs[bi]
+    for c0, c1 in spans:
+        c1 = min(c1, lay.kv_len[bi])  # keys from kv_len on take no part: zero gradients
+        if c1 <= c0:
+            break
+        w = c1 - c0
+        r_lo, r_hi = _row_range(structure, c0, c1, lay.q_len[bi])
+        dk = st.dk[:w]
+        dv = st.dv[:w]
+        dk[...] = 0
+        dv[...] = 0
+        if r_hi > r_lo:
+            for h in heads:
+                for r0, r1 in _spans(r_lo, r_hi, ctx["rows"]):
+                    _backward_block(
+                        spec, ctx, st, structure, bi, b, h, hk, r0, r1, c0, c1, dq, dk, dv
+                    )
+        ctx["dk_f"][b + (hk, slice(c0, c1))] = dk
+        ctx["dv_f"][b + (hk, slice(c0, c1))] = dv
+
+
+def _backward_block(spec, ctx, st, structure, bi, b, h, hk, r0, r1, c0, c1, dq, dk, dv):
+    lay = ctx["lay"]
+    cd = lay.cd
+    n, w = r1 - r0, c1 - c0
+    row = b + (h, slice(r0, r1))
+    lse_r = ctx["lse_safe"][row]
+    static = False
+    if ctx["bound"] is not None:
+        static = (
+            float(ctx["bound"][row].max()) <= ctx["limit"] and float(lse_r.min()) >= -ctx["limit"]
+        )
+    a = ctx["a_static"][row] if static else None
+    k_blk = lay.k[b + (hk, slice(c0, c1))]
+    v_blk = lay.v[b + (hk, slice(c0, c1))]
+
+    # Scores (softcap keeps tanh in st.t for the chain rule).
+    q_t = _scaled_query(spec, lay, b, h, r0, r1, st.q[:n])
+    e = st.e[:n, :w]
+    if spec.softcap is not None:
+        t = st.t[:n, :w]
+        np.matmul(q_t, k_blk.T, out=t)
+        np.tanh(t, out=t)
+        np.multiply(t, spec.softcap, out=e)
+    else:
+        np.matmul(q_t, k_blk.T, out=e)
+    if lay.mask is not None:
+        m = lay.mask[b + (h, slice(r0, r1), slice(c0, c1))]
+        if spec.mask_kind == "float":
+            np.add(e, m, out=e)
+        else:
+            np.copyto(e, -np.inf, where=np.logical_not(m, out=st.bool[:n, :w]))
+    blocked = _blocked_out(structure, r0, r1, c0, c1)
+    if blocked is not None:
+        np.copyto(e, -np.inf, where=blocked)
+    if not static:
+        np.subtract(e, lse_r[:, None], out=e)
+    np.exp(e, out=e)  # P (exact path) or exp(S) with P = diag(a) exp(S) (static path)
+
+    keep = None
+    inv_keep = 1.0
+    if spec.dropout_p > 0:
+        inv_keep = 1.0 / (1.0 - spec.dropout_p)
+        rows_i = np.arange(r0, r1, dtype=np.int32).reshape(-1, 1)
+        cols_i = np.arange(c0, c1, dtype=np.int32)
+        keep = dropout_keep(
+            np, spec.seed, spec.dropout_p, np.int32(bi), np.int32(h), rows_i, cols_i
+        )
+
+    delta = ctx["delta"][row]
+    tmat = st.dp[:n, :w]
+    do_f = ctx["do_f"]
+    if do_f is not None:
+        do_r = do_f[row]
+        # dV += P_drop^T dO: the row factors a_i and 1/(1-p) go on dO's rows.
+        doa = st.doa[:n]
+        if static:
+            np.multiply(do_r, (a * inv_keep)[:, None], out=doa)
+        else:
+            np.multiply(do_r, inv_keep, out=doa)
+        if keep is not None:
+            e_drop = np.multiply(e, keep, out=st.ed[:n, :w])
+        else:
+            e_drop = e
+        np.add(dv, np.matmul(e_drop.T, doa, out=st.tmp_v[:w]), out=dv)
+        # dP = dO V^T (times the keep mask / (1-p)), then dS = P * (dP - delta).
+        dos = st.do[:n]
+        np.multiply(do_r, inv_keep, out=dos)
+        np.matmul(dos, v_blk.T, out=tmat)
+        if keep is not None:
+            np.multiply(tmat, keep, out=tmat)
+        np.subtract(tmat, delta[:, None], out=tmat)
+    else:
+        np.negative(np.broadcast_to(delta[:, None], (n, w)), out=tmat)
+    np.multiply(tmat, e, out=tmat)  # dS, up to the row factor a_i on the static path
+
+    coef = (a * spec.scale) if static else np.full((n,), spec.scale, cd)
+    if ctx["d_mask_acc"] is not None:
+        g = tmat * a[:, None] if static else tmat.copy()
+        _add_mask_grad(spec, ctx, b, h, r0, r1, c0, c1, g)
+    if spec.softcap is not None:
+        t = st.t[:n, :w]
+        np.multiply(t, t, out=t)
+        np.subtract(1.0, t, out=t)
+        np.multiply(tmat, t, out=tmat)
+    # dQ rows += coef * (dS K);  dK += dS^T (coef * Q).
+    tq = np.matmul(tmat, k_blk, out=st.tmp_q[:n])
+    np.multiply(tq, coef[:, None], out=tq)
+    dq_rows = dq[row]
+    np.add(dq_rows, tq, out=dq_rows)
+    qa = np.multiply(lay.q[row], coef[:, None], out=st.qa[:n])
+    np.add(dk, np.matmul(tmat.T, qa, out=st.tmp_k[:w]), out=dk)
+
+
+def _add_mask_grad(spec, ctx, b, h, r0, r1, c0, c1, g):
+    """Accumulate the gradient of a float mask block into the mask's own (broadcast)
+    shape; units of different heads may share those elements, hence the lock."""
+    acc = ctx["d_mask_acc"]
+    nd = acc.ndim
+    idx = []
+    full = b + (h,)
+    for axis in range(nd - 2):
+        idx.append(0 if acc.shape[axis] == 1 else full[axis])
+    if acc.shape[-2] == 1:
+        g = g.sum(axis=0, keepdims=True)
+        idx.append(slice(0, 1))
+    else:
+        idx.append(slice(r0, r1))
+    if acc.shape[-1] == 1:
+        g = g.sum(axis=1, keepdims=True)
+        idx.append(slice(0, 1))
+    else:
+        idx.append(slice(c0, c1))
+    with ctx["mask_lock"]:
+        view = acc[tuple(idx)]
+        np.add(view, g, out=view)
+
+
+def _register() -> None:
+    from .attention import register_implementation
+
+    register_implementation("fast", sys.modules[__name__], declines=declines, auto_rank=0)
+
+
+_register()

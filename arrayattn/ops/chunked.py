@@ -1,0 +1,439 @@
+"""Chunked attention: online softmax over key blocks, written once against the array API.
+
+Memory is ``O(L x block)``: the loops over query blocks and key blocks run in Python and
+no ``L x S`` array is ever built (except a float ``attn_mask``'s own gradient, which has
+the mask's shape).
+
+Forward, for each query block: a running row max ``m`` and sum ``l`` in float32/float64
+and an accumulator rescaled by ``exp(m_old - m_new)`` whenever the max grows; one
+normalisation at the end, and the LSE ``m + log(l)`` is kept for the backward.
+
+Backward (FlashAttention-2): the probabilities are recomputed block by block from the
+saved LSE, ``P = exp(S - LSE)``; with ``D = rowsum(dO * O)``, ``dS = P * (dP - D)``
+(+ ``P * dLSE``); ``dQ`` accumulates over the key blocks of a query block, ``dK``/``dV``
+per key block over the query blocks.
+
+Causal and windowed attention skip the key blocks no query of a block sees
+(:meth:`~arrayattn.ops.masks.Structure.col_range`), so causal costs about half; blocks
+wholly inside the band skip the mask test. Every block computation (scores, masks,
+dropout, the score gradient) is the one the composed path uses (``_composed``), so the
+two paths share a single definition of the semantics.
+
+``implementation="auto"`` uses this path when the composed path's score matrix would
+exceed :data:`AUTO_CHUNK_BYTES` (and no faster registered path takes the call).
+"""
+
+from __future__ import annotations
+
+import math
+
+from .._backend import Array, full_scalar, sum_to_shape
+from . import _composed
+from ._attention_spec import AttentionSpec
+from .attention import register_implementation
+
+__all__ = [
+    "forward",
+    "backward",
+    "ChunkedAttention",
+    "BLOCK_Q",
+    "BLOCK_K",
+    "AUTO_CHUNK_BYTES",
+    "score_matrix_bytes",
+]
+
+BLOCK_Q = 128
+"""Default query rows per block (a keyword ``block_q=`` overrides it per call)."""
+
+BLOCK_K = 256
+"""Default keys per block (a keyword ``block_k=`` overrides it per call)."""
+
+AUTO_CHUNK_BYTES = 256 * 2**20
+"""``implementation="auto"`` switches from the composed path to this one when the composed
+path's score matrix, ``batch * Hq * L * S * itemsize`` bytes in the compute dtype (4 for
+float16/float32 inputs, 8 for float64), would exceed this many bytes (256 MiB)."""
+
+
+def score_matrix_bytes(spec: AttentionSpec) -> int:
+    """Bytes of one ``L x S`` score matrix per (batch, head) in the compute dtype: what
+    the composed path allocates (several times, for scores, probabilities, gradients)."""
+    itemsize = 8 if spec.cdtype == spec.xp.float64 else 4
+    return spec.batch_size * spec.Hq * spec.L * spec.S * itemsize
+
+
+def _auto_declines(spec: AttentionSpec) -> str | None:
+    if score_matrix_bytes(spec) > AUTO_CHUNK_BYTES:
+        return None
+    return (
+        f"the score matrix ({score_matrix_bytes(spec)} bytes) fits under "
+        f"AUTO_CHUNK_BYTES={AUTO_CHUNK_BYTES}; the composed path is faster there"
+    )
+
+
+def _block_sizes(block_q: int | None, block_k: int | None) -> tuple[int, int]:
+    bq = BLOCK_Q if block_q is None else block_q
+    bk = BLOCK_K if block_k is None else block_k
+    for name, b in (("block_q", bq), ("block_k", bk)):
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"{name} must be a positive int, got {b!r}")
+    return bq, bk
+
+
+def _key_blocks(spec: AttentionSpec, r0: int, r1: int, bk: int):
+    """``(index, c0, c1, inside)`` for the key blocks (on the fixed grid of size ``bk``)
+    that rows ``[r0, r1)`` may see; ``inside`` is True when the whole block lies inside
+    the causal/window band, so the structural mask test can be skipped."""
+    st = spec.structure
+    lo, hi = st.col_range(r0, r1, spec.S, offset_bounds=spec.offset_bounds)
+    if lo >= hi:  # (lo may even exceed S for a window past the last key)
+        return
+    for c0 in range((lo // bk) * bk, hi, bk):
+        c1 = min(c0 + bk, spec.S)
+        yield c0 // bk, c0, c1, _inside(spec, r0, r1, c0, c1)
+
+
+def _inside(spec: AttentionSpec, r0: int, r1: int, c0: int, c1: int) -> bool:
+    st = spec.structure
+    if st.is_trivial:
+        return True
+    if spec.offset_g is not None:  # per-sequence diagonals are data: always test
+        return False
+    # Row i sees [i + off - left, i + off + right]; the block is inside when the last row's
+    # lower bound and the first row's upper bound enclose [c0, c1).
+    low_ok = st.left < 0 or c0 >= r1 - 1 + st.offset - st.left
+    high_ok = st.right < 0 or c1 - 1 <= r0 + st.offset + st.right
+    return low_ok and high_ok
+
+
+def _mask_block(mask_g: Array | None, r0: int, r1: int, c0: int, c1: int) -> Array | None:
+    """The user's grouped mask for a block; axes of size 1 (broadcast over L or S) stay."""
+    if mask_g is None:
+        return None
+    if mask_g.shape[-2] != 1:
+        mask_g = mask_g[..., r0:r1, :]
+    if mask_g.shape[-1] != 1:
+        mask_g = mask_g[..., c0:c1]
+    return mask_g
+
+
+def _padded(spec: AttentionSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (1,) * (len(spec.lead) + 3 - len(shape)) + tuple(shape)
+
+
+def forward(
+    spec: AttentionSpec,
+    query: Array,
+    key: Array,
+    value: Array,
+    attn_mask: Array | None,
+    *,
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> tuple[Array, Array]:
+    """Attention output (user layout, input dtype) and LSE (user layout, float32/64),
+    computed block by block with an online softmax.
+
+    Same contract as ``_composed.forward``; ``block_q``/``block_k`` default to
+    :data:`BLOCK_Q`/:data:`BLOCK_K` and need not divide ``L``/``S``.
+
+    Example::
+
+        >>> import numpy as np
+        >>> from arrayattn.ops._attention_spec import make_spec
+        >>> q = np.ones((1, 2, 5, 4), dtype=np.float32)
+        >>> spec = make_spec(q, q, q, None, 0.0, True, None, False, "top_left", None, None, None)
+        >>> out, lse = forward(spec, q, q, q, None, block_q=2, block_k=3)
+        >>> out.shape, lse.shape
+        ((1, 2, 5, 4), (1, 2, 5))
+    """
+    bq, bk = _block_sizes(block_q, block_k)
+    if spec.L == 0:
+        return _composed.forward(spec, query, key, value, attn_mask)
+    xp = spec.xp
+    cd = spec.cdtype
+    dev = spec.device
+    qg, kg, vg, mask_g = _composed._prepare(spec, query, key, value, attn_mask)
+    neg_inf = full_scalar(xp, -math.inf, cd, dev)
+    zero = full_scalar(xp, 0.0, cd, dev)
+    one = full_scalar(xp, 1.0, cd, dev)
+    rows_shape = spec.lead + (spec.Hq // spec.G, spec.G)
+
+    outs, lses = [], []
+    for r0 in range(0, spec.L, bq):
+        r1 = min(r0 + bq, spec.L)
+        q_blk = qg[..., r0:r1, :]
+        m = xp.full(rows_shape + (r1 - r0, 1), -math.inf, dtype=cd, device=dev)
+        total = xp.zeros(rows_shape + (r1 - r0, 1), dtype=cd, device=dev)
+        acc = xp.zeros(rows_shape + (r1 - r0, spec.Ev), dtype=cd, device=dev)
+        for _, c0, c1, inside in _key_blocks(spec, r0, r1, bk):
+            rows, cols = _composed.index_block(spec, r0, r1, c0, c1)
+            s, _ = _composed.scores_block(
+                spec,
+                q_blk,
+                kg[..., c0:c1, :],
+                _mask_block(mask_g, r0, r1, c0, c1),
+                rows,
+                cols,
+                check_structure=not inside,
+            )
+            m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))
+            # A row that has seen no key yet keeps m = -inf; shift it by 0 instead, so
+            # exp gives 0 and never NaN.
+            m_safe = xp.where(xp.isfinite(m_new), m_new, zero)
+            alpha = xp.exp(m - m_safe)
+            p = xp.exp(s - m_safe)
+            total = total * alpha + xp.sum(p, axis=-1, keepdims=True)
+            if spec.dropout_p > 0:
+                p = _composed.apply_dropout(spec, p, rows, cols)
+            acc = acc * alpha + xp.matmul(p, vg[..., c0:c1, :])
+            m = m_new
+        nonempty = total > 0
+        total_safe = xp.where(nonempty, total, one)
+        m_safe = xp.where(xp.isfinite(m), m, zero)
+        outs.append(acc / total_safe)
+        lses.append(xp.where(nonempty, m_safe + xp.log(total_safe), neg_inf))
+    out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
+    lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=-2)
+    out = spec.ungroup_out(xp.astype(out, spec.dtype, copy=False))
+    return out, xp.reshape(lse, spec.lse_shape)
+
+
+def backward(
+    spec: AttentionSpec,
+    query: Array,
+    key: Array,
+    value: Array,
+    attn_mask: Array | None,
+    out: Array,
+    lse: Array,
+    d_out: Array | None,
+    d_lse: Array | None,
+    *,
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> tuple[Array, Array, Array, Array | None]:
+    """FlashAttention-2 backward, block by block from the saved LSE.
+
+    Same contract as ``_composed.backward``: returns ``(d_query, d_key, d_value,
+    d_mask)`` in the user's shapes and dtypes, ``d_mask`` ``None`` unless the mask is a
+    float bias.
+
+    Example::
+
+        >>> import numpy as np
+        >>> from arrayattn.ops._attention_spec import make_spec
+        >>> q = np.ones((1, 2, 5, 4), dtype=np.float32)
+        >>> spec = make_spec(q, q, q, None, 0.0, True, None, False, "top_left", None, None, None)
+        >>> out, lse = forward(spec, q, q, q, None)
+        >>> dq, dk, dv, dm = backward(spec, q, q, q, None, out, lse, np.ones_like(out), None)
+        >>> dq.shape, dk.shape, dv.shape, dm
+        ((1, 2, 5, 4), (1, 2, 5, 4), (1, 2, 5, 4), None)
+    """
+    bq, bk = _block_sizes(block_q, block_k)
+    if spec.L == 0:
+        return _composed.backward(spec, query, key, value, attn_mask, out, lse, d_out, d_lse)
+    xp = spec.xp
+    cd = spec.cdtype
+    dev = spec.device
+    qg, kg, vg, mask_g = _composed._prepare(spec, query, key, value, attn_mask)
+    do_g, delta, dl = _composed.backward_rows(spec, out, d_out, d_lse)
+    lse_g = xp.astype(_composed._group_lse(spec, lse), cd)
+    rows_shape = spec.lead + (spec.Hq // spec.G, spec.G)
+    q_pad, k_pad, v_pad = (_padded(spec, s) for s in (spec.q_shape, spec.k_shape, spec.v_shape))
+
+    n_kb = -(-spec.S // bk)
+    dk_blocks: list[Array | None] = [None] * n_kb
+    dv_blocks: list[Array | None] = [None] * n_kb
+    dq_blocks = []
+    dmask = _MaskGradient(spec, mask_g, bq, bk)
+
+    def rows_of(x: Array | None, r0: int, r1: int) -> Array | None:
+        return None if x is None else x[..., r0:r1, :]
+
+    for r0 in range(0, spec.L, bq):
+        r1 = min(r0 + bq, spec.L)
+        q_blk = qg[..., r0:r1, :]
+        lse_blk = lse_g[..., r0:r1, :]
+        do_blk, delta_blk, dl_blk = (rows_of(x, r0, r1) for x in (do_g, delta, dl))
+        dq_acc = None
+        row_total = None
+        if spec.mask_kind == "float":
+            # A huge additive bias (HF's finfo.min on a fully masked row) swallows
+            # log(S) in the saved LSE, so exp(S - LSE) no longer sums to 1 on that row.
+            # With float masks, one extra pass over the keys measures each row's total.
+            for _, c0, c1, inside in _key_blocks(spec, r0, r1, bk):
+                rows, cols = _composed.index_block(spec, r0, r1, c0, c1)
+                s, _ = _composed.scores_block(
+                    spec,
+                    q_blk,
+                    kg[..., c0:c1, :],
+                    _mask_block(mask_g, r0, r1, c0, c1),
+                    rows,
+                    cols,
+                    check_structure=not inside,
+                )
+                part = xp.sum(
+                    _composed.probabilities_from_lse(spec, s, lse_blk), axis=-1, keepdims=True
+                )
+                row_total = part if row_total is None else row_total + part
+            if row_total is not None:
+                row_total = xp.where(row_total > 0, row_total, xp.ones_like(row_total))
+        for j, c0, c1, inside in _key_blocks(spec, r0, r1, bk):
+            rows, cols = _composed.index_block(spec, r0, r1, c0, c1)
+            k_blk = kg[..., c0:c1, :]
+            s, tanh = _composed.scores_block(
+                spec,
+                q_blk,
+                k_blk,
+                _mask_block(mask_g, r0, r1, c0, c1),
+                rows,
+                cols,
+                check_structure=not inside,
+            )
+            p = _composed.probabilities_from_lse(spec, s, lse_blk)
+            if row_total is not None:
+                p = p / row_total
+            ds, dv_g = _composed.backward_block(
+                spec, p, vg[..., c0:c1, :], do_blk, delta_blk, dl_blk, rows, cols
+            )
+            if ds is None:  # neither d_out nor d_lse: every gradient is zero
+                continue
+            dmask.add(ds, r0 // bq, j, r1 - r0, c1 - c0)
+            dq_g, dk_g = _composed.scores_grad_block(spec, q_blk, k_blk, ds, tanh)
+            dq_acc = dq_g if dq_acc is None else dq_acc + dq_g
+            dk_b = sum_to_shape(xp, xp.sum(dk_g, axis=-3), k_pad[:-2] + (c1 - c0, spec.E))
+            dk_blocks[j] = dk_b if dk_blocks[j] is None else dk_blocks[j] + dk_b
+            if dv_g is not None:
+                dv_b = sum_to_shape(xp, xp.sum(dv_g, axis=-3), v_pad[:-2] + (c1 - c0, spec.Ev))
+                dv_blocks[j] = dv_b if dv_blocks[j] is None else dv_blocks[j] + dv_b
+        if dq_acc is None:
+            dq_blocks.append(xp.zeros(q_pad[:-2] + (r1 - r0, spec.E), dtype=cd, device=dev))
+        else:
+            dq_full = xp.broadcast_to(dq_acc, rows_shape + (r1 - r0, spec.E))
+            dq_blocks.append(
+                sum_to_shape(xp, spec.ungroup_rows(dq_full), q_pad[:-2] + (r1 - r0, spec.E))
+            )
+
+    dq = _assemble(spec, dq_blocks, spec.q_shape)
+    dk = _assemble(spec, _fill(spec, dk_blocks, k_pad, spec.E, bk), spec.k_shape)
+    dv = _assemble(spec, _fill(spec, dv_blocks, v_pad, spec.Ev, bk), spec.v_shape)
+    d_mask = None
+    if spec.mask_kind == "float":
+        d_mask = dmask.result(attn_mask.dtype)
+    return dq, dk, dv, d_mask
+
+
+def _fill(
+    spec: AttentionSpec, blocks: list[Array | None], pad: tuple[int, ...], width: int, bk: int
+) -> list[Array]:
+    """Key blocks no query touched get zeros."""
+    xp = spec.xp
+    out = []
+    for j, b in enumerate(blocks):
+        if b is None:
+            n = min(bk, spec.S - j * bk)
+            b = xp.zeros(pad[:-2] + (n, width), dtype=spec.cdtype, device=spec.device)
+        out.append(b)
+    return out
+
+
+def _assemble(spec: AttentionSpec, blocks: list[Array], shape: tuple[int, ...]) -> Array:
+    xp = spec.xp
+    if not blocks:
+        return xp.zeros(shape, dtype=spec.dtype, device=spec.device)
+    x = blocks[0] if len(blocks) == 1 else xp.concat(blocks, axis=-2)
+    return xp.astype(xp.reshape(x, shape), spec.dtype, copy=False)
+
+
+class _MaskGradient:
+    """Accumulates a float mask's gradient block by block, in the mask's own grouped
+    shape: blocks are concatenated along an axis the mask spans and summed along an axis
+    it broadcasts over (size 1)."""
+
+    def __init__(self, spec: AttentionSpec, mask_g: Array | None, bq: int, bk: int):
+        self.spec = spec
+        self.active = spec.mask_kind == "float"
+        self.parts: dict[tuple[int, int], Array] = {}
+        if self.active:
+            self.shape = tuple(int(d) for d in mask_g.shape)
+            self.span_rows = self.shape[-2] != 1
+            self.span_cols = self.shape[-1] != 1
+            self.bq, self.bk = bq, bk
+
+    def add(self, ds: Array, i: int, j: int, nq: int, nk: int) -> None:
+        if not self.active:
+            return
+        spec, xp = self.spec, self.spec.xp
+        full = spec.lead + (spec.Hq // spec.G, spec.G, nq, nk)
+        target = self.shape[:-2] + (nq if self.span_rows else 1, nk if self.span_cols else 1)
+        part = sum_to_shape(xp, xp.broadcast_to(ds, full), target)
+        key = (i if self.span_rows else 0, j if self.span_cols else 0)
+        self.parts[key] = part if key not in self.parts else self.parts[key] + part
+
+    def result(self, dtype) -> Array:
+        spec, xp = self.spec, self.spec.xp
+        n_rows = -(-spec.L // self.bq) if self.span_rows else 1
+        n_cols = -(-spec.S // self.bk) if self.span_cols else 1
+        row_parts = []
+        for i in range(n_rows):
+            nq = min(self.bq, spec.L - i * self.bq) if self.span_rows else 1
+            cols = []
+            for j in range(n_cols):
+                nk = min(self.bk, spec.S - j * self.bk) if self.span_cols else 1
+                part = self.parts.get((i, j))
+                if part is None:
+                    part = xp.zeros(
+                        self.shape[:-2] + (nq, nk), dtype=spec.cdtype, device=spec.device
+                    )
+                cols.append(part)
+            row_parts.append(cols[0] if len(cols) == 1 else xp.concat(cols, axis=-1))
+        g = row_parts[0] if len(row_parts) == 1 else xp.concat(row_parts, axis=-2)
+        g = spec.ungroup_rows(g)
+        return xp.astype(xp.reshape(g, spec.mask_shape), dtype, copy=False)
+
+
+class ChunkedAttention:
+    """The chunked path with fixed block sizes, usable as a registered implementation::
+
+    register_implementation("chunked-64", ChunkedAttention(block_q=64, block_k=64))
+    """
+
+    def __init__(self, block_q: int | None = None, block_k: int | None = None):
+        self.block_q, self.block_k = _block_sizes(block_q, block_k)
+
+    def forward(self, spec, query, key, value, attn_mask):
+        return forward(
+            spec, query, key, value, attn_mask, block_q=self.block_q, block_k=self.block_k
+        )
+
+    def backward(self, spec, query, key, value, attn_mask, out, lse, d_out, d_lse):
+        return backward(
+            spec,
+            query,
+            key,
+            value,
+            attn_mask,
+            out,
+            lse,
+            d_out,
+            d_lse,
+            block_q=self.block_q,
+            block_k=self.block_k,
+        )
+
+    def __repr__(self) -> str:
+        return f"ChunkedAttention(block_q={self.block_q}, block_k={self.block_k})"
+
+
+class _DefaultChunked:
+    """The module's functions with the module-level defaults read at call time."""
+
+    forward = staticmethod(forward)
+    backward = staticmethod(backward)
+
+
+# After a faster registered path (the NumPy fast path ranks lower), before composed.
+AUTO_RANK = 50
+register_implementation(
+    "chunked", _DefaultChunked(), auto_rank=AUTO_RANK, auto_declines=_auto_declines
+)

@@ -1,0 +1,184 @@
+"""Run the backward kernels of ``arrayattn/kernels/attn_bwd.cu`` on the CPU.
+
+``backward_emulator.h`` supplies host versions of the CUDA features the kernels use (one
+OS thread per CUDA thread, barriers for ``__syncthreads`` and the warp collectives
+``ldmatrix`` / ``mma.sync`` / ``__shfl_xor_sync``). This module compiles the kernel file
+with g++ into a shared library exposing each instantiation by its name expression, and
+gives :func:`arrayattn.kernels.backward.run_kernels` a ``launch`` that calls it with
+NumPy arrays, so the very launch plan the CuPy path uses runs here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import shutil
+import subprocess
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+
+
+def compiler() -> str | None:
+    """The host C++20 compiler, or ``None``."""
+    return shutil.which("g++")
+
+
+def cuda_include() -> Path | None:
+    """A CUDA include dir with ``cuda_fp16.h`` (host conversions), or ``None``."""
+    for base in ("/usr/local/cuda/include",):
+        if (Path(base) / "cuda_fp16.h").exists():
+            return Path(base)
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        cand = Path(nvcc).resolve().parent.parent / "include"
+        if (cand / "cuda_fp16.h").exists():
+            return cand
+    return None
+
+
+def _source(names: list[str]) -> str:
+    lines = [
+        '#include "backward_emulator.h"',
+        '#include "attn_bwd.cu"',
+        "#include <cstring>",
+        "struct AaEmuEntry { const char* name; void (*call)(void**); };",
+        "static const AaEmuEntry aa_emu_entries[] = {",
+    ]
+    for name in names:
+        lines.append(f'    {{"{name}", [](void** p) {{ aa_emu_call(&{name}, p); }}}},')
+    lines += [
+        "};",
+        'extern "C" int aa_emu_run(const char* name, unsigned gx, unsigned gy, unsigned gz,',
+        "                          int threads, unsigned long long smem, void** params) {",
+        "    for (const auto& e : aa_emu_entries) {",
+        "        if (std::strcmp(e.name, name) != 0) continue;",
+        "        aa_emu_launch({gx, gy, gz}, threads, smem, [&] { e.call(params); });",
+        "        return 0;",
+        "    }",
+        "    return -1;",
+        "}",
+        "// The schedule helpers, for comparison with their Python mirrors.",
+        'extern "C" void aa_emu_row_range(int c0, int c1, int off, int left, int right,',
+        "                                 int q_len, int* out) {",
+        "    aa_row_range(c0, c1, off, left, right, q_len, out[0], out[1]);",
+        "}",
+        'extern "C" void aa_emu_key_range(int r0, int r1, int off, int left, int right,',
+        "                                 int kv_len, int* out) {",
+        "    aa_key_range(r0, r1, off, left, right, kv_len, out[0], out[1]);",
+        "}",
+        'extern "C" int aa_emu_block_full(int r0, int r1, int c0, int c1, int off, int left,',
+        "                                 int right, int kv_len) {",
+        "    return aa_block_full(r0, r1, c0, c1, off, left, right, kv_len) ? 1 : 0;",
+        "}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def build(names: list[str], work: Path) -> ctypes.CDLL:
+    """Compile the emulator library for the instantiations ``names`` (cached by content)."""
+    kernels = resources.files("arrayattn.kernels")
+    inc = cuda_include()
+    text = _source(names)
+    digest = hashlib.sha256(
+        (
+            text
+            + (HERE / "backward_emulator.h").read_text()
+            + kernels.joinpath("attn_bwd.cu").read_text()
+            + kernels.joinpath("common.cuh").read_text()
+        ).encode()
+    ).hexdigest()[:16]
+    lib = work / f"aa_bwd_emu_{digest}.so"
+    if not lib.exists():
+        src = work / f"aa_bwd_emu_{digest}.cpp"
+        src.write_text(text)
+        cmd = [
+            compiler() or "g++",
+            "-std=c++20",
+            "-O1",
+            "-pthread",
+            "-shared",
+            "-fPIC",
+            "-w",
+            f"-I{HERE}",
+            f"-I{kernels}",
+            f"-I{inc}",
+            str(src),
+            "-o",
+            str(lib),
+        ]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"emulator build failed:\n{res.stderr[-6000:]}")
+    dll = ctypes.CDLL(str(lib))
+    dll.aa_emu_run.restype = ctypes.c_int
+    dll.aa_emu_run.argtypes = [
+        ctypes.c_char_p,
+        ctypes.c_uint,
+        ctypes.c_uint,
+        ctypes.c_uint,
+        ctypes.c_int,
+        ctypes.c_ulonglong,
+        ctypes.POINTER(ctypes.c_void_p),
+    ]
+    return dll
+
+
+_SCALARS = {
+    np.dtype(np.int32): ctypes.c_int32,
+    np.dtype(np.uint32): ctypes.c_uint32,
+    np.dtype(np.int64): ctypes.c_int64,
+    np.dtype(np.uint64): ctypes.c_uint64,
+    np.dtype(np.float32): ctypes.c_float,
+    np.dtype(np.float64): ctypes.c_double,
+}
+
+
+class Launcher:
+    """``launch(name, grid, threads, smem, args)`` on the emulator; records every launch."""
+
+    def __init__(self, dll: ctypes.CDLL):
+        self.dll = dll
+        self.launches: list[tuple[str, tuple[int, int, int], int, int]] = []
+
+    def __call__(self, name: str, grid, threads: int, smem: int, args) -> None:
+        keep: list[Any] = []
+        ptrs = (ctypes.c_void_p * len(args))()
+        for i, a in enumerate(args):
+            if isinstance(a, np.ndarray):
+                assert a.flags.c_contiguous, f"argument {i} of {name} is not contiguous"
+                obj = ctypes.c_void_p(a.ctypes.data)
+            elif isinstance(a, np.generic):
+                obj = _SCALARS[a.dtype](a.item())
+            else:
+                raise TypeError(f"argument {i} of {name}: unsupported {type(a).__name__}")
+            keep.append(obj)
+            ptrs[i] = ctypes.cast(ctypes.pointer(obj), ctypes.c_void_p)
+        self.launches.append((name, tuple(grid), threads, smem))
+        rc = self.dll.aa_emu_run(name.encode(), *grid, threads, smem, ptrs)
+        if rc != 0:
+            raise KeyError(f"kernel {name!r} is not in the emulator library")
+
+
+class PoisonXp:
+    """The allocation half of an array namespace for :func:`run_kernels`: NumPy arrays,
+    ``empty`` filled with NaN (all-ones bits for 16-bit storage), so any output element a
+    kernel fails to write shows up."""
+
+    float32 = np.float32
+    float64 = np.float64
+
+    @staticmethod
+    def empty(shape, dtype):
+        dt = np.dtype(dtype)
+        if dt == np.uint16:
+            return np.full(shape, 0xFFFF, dtype=dt)
+        return np.full(shape, np.nan, dtype=dt)
+
+    @staticmethod
+    def zeros(shape, dtype):
+        return np.zeros(shape, dtype=dtype)

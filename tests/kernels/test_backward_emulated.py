@@ -1,0 +1,187 @@
+"""The backward kernels (``attn_bwd.cu``) run on the CPU through the host emulator.
+
+The kernels' own source is compiled with g++ against ``backward_emulator.h`` (threads,
+barriers, ``ldmatrix``/``mma.sync`` fragment semantics from the PTX ISA) and launched by
+the same :func:`arrayattn.kernels.backward.run_kernels` plan the CuPy path uses. Gradients
+are compared with a plain float64 NumPy backward written below. Output buffers start as
+NaN, so unwritten elements fail. No GPU is involved: this checks indexing, tiling,
+fragment layouts, block skipping, GQA loops, lengths, dropout regeneration and the
+deterministic/atomic schedules; not GPU timing, memory-model races or the real
+``ex2.approx``/tensor-core rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from arrayattn.kernels.backward import backward_plan, run_kernels
+
+emu = pytest.importorskip("_backward_emu")
+reference = pytest.importorskip("_backward_reference").reference
+
+pytestmark = pytest.mark.skipif(
+    emu.compiler() is None or emu.cuda_include() is None,
+    reason="needs g++ (C++20) and the CUDA headers (cuda_fp16.h) for the host emulator",
+)
+
+
+# -- dtype plumbing -------------------------------------------------------------------------
+def to_kernel(x: np.ndarray, kind: str) -> np.ndarray:
+    """float64 -> the kernel's storage (bfloat16 as uint16 bits, round to nearest even)."""
+    if kind == "bfloat16":
+        u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        return u.astype(np.uint16)
+    return np.ascontiguousarray(x, dtype={"float16": np.float16, "float32": np.float32,
+                                          "float64": np.float64}[kind])  # fmt: skip
+
+
+def from_kernel(x: np.ndarray, kind: str) -> np.ndarray:
+    if kind == "bfloat16":
+        return (x.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return x.astype(np.float64)
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    names = []
+    for kind in ("float64", "float32", "float16", "bfloat16"):
+        for d in (32, 64):
+            plan = backward_plan(kind, d, d)
+            names += [n for n in (plan.preprocess, plan.dkdv, plan.dq, plan.convert) if n]
+    return emu.build(sorted(set(names)), tmp_path_factory.mktemp("bwd_emu"))
+
+
+CASES = {
+    "plain": dict(),
+    "causal_gqa": dict(causal=True, Hq=4, Hkv=2),
+    "bottom_right_lengths": dict(
+        causal=True, align="bottom_right", q_lens=(37, 20), k_lens=(70, 11)
+    ),
+    "window_softcap": dict(window=(9, 3), softcap=2.5, Hq=3, Hkv=1),
+    "dropout_dlse": dict(dropout_p=0.3, seed=1234, d_lse=True, causal=True),
+    "bool_mask_gqa": dict(causal=True, Hq=4, Hkv=2, mask=True),
+    "empty_rows": dict(
+        causal=True, align="bottom_right", L=45, S=20, q_lens=(45, 3), k_lens=(0, 20)
+    ),
+}
+
+
+def run_case(library, kind, case, *, deterministic, seed=0, E=24, Ev=32):
+    c = dict(
+        B=2,
+        Hq=2,
+        Hkv=2,
+        L=37,
+        S=70,
+        causal=False,
+        align="top_left",
+        window=(-1, -1),
+        softcap=None,
+        q_lens=None,
+        k_lens=None,
+        dropout_p=0.0,
+        seed=0,
+        d_lse=False,
+        mask=False,
+    )
+    c.update(CASES[case])
+    rng = np.random.default_rng(seed)
+    B, Hq, Hkv, L, S = c["B"], c["Hq"], c["Hkv"], c["L"], c["S"]
+    q = rng.standard_normal((B, Hq, L, E))
+    k = rng.standard_normal((B, Hkv, S, E))
+    v = rng.standard_normal((B, Hkv, S, Ev))
+    d_out = rng.standard_normal((B, Hq, L, Ev))
+    d_lse = rng.standard_normal((B, Hq, L)) if c["d_lse"] else None
+    # Round inputs to the kernel dtype first so the reference sees the same numbers.
+    q, k, v, d_out = (from_kernel(to_kernel(x, kind), kind) for x in (q, k, v, d_out))
+    q_lens = None if c["q_lens"] is None else np.asarray(c["q_lens"], np.int32)
+    k_lens = None if c["k_lens"] is None else np.asarray(c["k_lens"], np.int32)
+    scale = 1.0 / math.sqrt(E)
+    # A random boolean mask per (batch, row, key), broadcast over heads (stride 0), with
+    # some rows masked out entirely (empty rows through the mask alone).
+    mask = None
+    if c["mask"]:
+        mask = rng.random((B, 1, L, S)) < 0.7
+        mask[:, :, ::7] = False
+    opts = dict(scale=scale, softcap=c["softcap"], causal=c["causal"], align=c["align"],
+                window=c["window"], q_lens=q_lens, k_lens=k_lens, dropout_p=c["dropout_p"],
+                seed=c["seed"], mask=mask)  # fmt: skip
+    out, lse, dq_ref, dk_ref, dv_ref = reference(q, k, v, d_out, d_lse, **opts)
+
+    acc = np.float64 if kind == "float64" else np.float32
+    plan = backward_plan(kind, E, Ev)
+    right = c["window"][1]
+    if c["causal"]:
+        right = 0 if right < 0 else min(right, 0)
+    launch = emu.Launcher(library)
+    dq, dk, dv = run_kernels(
+        emu.PoisonXp,
+        launch,
+        plan,
+        to_kernel(q, kind),
+        to_kernel(k, kind),
+        to_kernel(v, kind),
+        to_kernel(out, kind),
+        to_kernel(d_out, kind),
+        np.ascontiguousarray(lse, dtype=acc),
+        None if d_lse is None else np.ascontiguousarray(d_lse, dtype=acc),
+        scale=scale,
+        softcap=c["softcap"],
+        bottom_right=c["align"] == "bottom_right",
+        window=(c["window"][0], right),
+        q_lens=q_lens,
+        kv_lens=k_lens,
+        seed=c["seed"],
+        dropout_p=c["dropout_p"],
+        mask=None if mask is None else mask.astype(np.uint8),
+        mask_strides=(L * S, 0, S, 1),
+        deterministic=deterministic,
+    )
+    got = tuple(from_kernel(x, kind) for x in (dq, dk, dv))
+    return got, (dq_ref, dk_ref, dv_ref), launch
+
+
+TOL = {"float64": 1e-12, "float32": 2e-6, "float16": 2e-2, "bfloat16": 5e-2}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("kind", ["float64", "float32"])
+def test_simt_kernels_match_reference(library, kind, case, deterministic):
+    got, ref, _ = run_case(library, kind, case, deterministic=deterministic)
+    for name, g, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
+        assert np.all(np.isfinite(g)), f"{name}: unwritten or non-finite elements"
+        assert rel(g, r) <= TOL[kind], f"{name}: relative error {rel(g, r):.3g}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+def test_tensor_core_kernels_match_reference(library, kind, case, deterministic):
+    got, ref, launch = run_case(library, kind, case, deterministic=deterministic)
+    assert any("mma" in name for name, *_ in launch.launches)
+    for name, g, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
+        assert np.all(np.isfinite(g)), f"{name}: unwritten or non-finite elements"
+        assert rel(g, r) <= TOL[kind], f"{name}: relative error {rel(g, r):.3g}"
+
+
+def test_head_dim_64_vector_loads(library):
+    """E = Ev = 64: the 16-byte load path of the tensor-core kernels and the D=64 tiles."""
+    got, ref, _ = run_case(library, "float16", "causal_gqa", deterministic=False, E=64, Ev=64)
+    for g, r in zip(got, ref, strict=True):
+        assert rel(g, r) <= TOL["float16"]
+
+
+def test_deterministic_mode_is_bit_identical(library):
+    runs = [run_case(library, "float32", "causal_gqa", deterministic=True)[0] for _ in range(3)]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other, strict=True):
+            assert np.array_equal(a, b)

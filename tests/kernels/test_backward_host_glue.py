@@ -1,0 +1,140 @@
+"""``arrayattn.kernels.backward.backward`` end to end on the CPU: the glue around the
+kernels (layouts, broadcast leading dims and heads, GQA, lengths, options, reductions
+back to the arguments' shapes) with the kernels run by the host emulator and "cupy"
+played by NumPy. Compared with the composed backward through ``arrayattn.vjp``.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import arrayattn as aa
+from arrayattn.kernels import backward as bwd
+from arrayattn.ops._attention_spec import make_spec
+
+emu = pytest.importorskip("_backward_emu")
+
+pytestmark = pytest.mark.skipif(
+    emu.compiler() is None or emu.cuda_include() is None,
+    reason="needs g++ (C++20) and the CUDA headers (cuda_fp16.h) for the host emulator",
+)
+
+
+def _fake_cupy() -> types.ModuleType:
+    """The few CuPy functions the glue calls, backed by NumPy (empty -> NaN-filled)."""
+    m = types.ModuleType("cupy")
+    m.ndarray = type("NotACupyArray", (), {})
+    for name in ("broadcast_to", "ascontiguousarray", "zeros", "zeros_like", "asarray", "full"):
+        setattr(m, name, getattr(np, name))
+    m.float16, m.float32, m.float64, m.int32 = np.float16, np.float32, np.float64, np.int32
+    m.bool_, m.uint8 = np.bool_, np.uint8
+    m.empty = emu.PoisonXp.empty
+    return m
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    names = []
+    for kind in ("float64", "float32", "float16"):
+        for d in (32, 64):
+            plan = bwd.backward_plan(kind, d, d)
+            names += [n for n in (plan.preprocess, plan.dkdv, plan.dq, plan.convert) if n]
+    return emu.build(sorted(set(names)), tmp_path_factory.mktemp("bwd_glue"))
+
+
+@pytest.fixture
+def kernels_on_host(library, monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    monkeypatch.setattr(bwd, "declines", lambda spec: None)
+    launcher = emu.Launcher(library)
+    monkeypatch.setattr(bwd, "_cupy_launch", launcher)
+    return launcher
+
+
+CASES = {
+    # name: (q shape, k shape, v shape, options)
+    "gqa_causal": ((2, 4, 19, 16), (2, 2, 23, 16), (2, 2, 23, 8), dict(is_causal=True)),
+    "kv_broadcast_batch": ((3, 2, 17, 16), (1, 2, 21, 16), (1, 2, 21, 16), dict()),
+    "mqa_bottom_right": (
+        (2, 3, 9, 24),
+        (2, 1, 30, 24),
+        (2, 1, 30, 24),
+        dict(is_causal=True, causal_align="bottom_right"),
+    ),
+    "unbatched_query_heads_1": ((1, 13, 16), (3, 13, 16), (3, 13, 16), dict(enable_gqa=False)),
+    "lengths_window_softcap": (
+        (2, 2, 20, 16),
+        (2, 2, 25, 16),
+        (2, 2, 25, 16),
+        dict(window=(4, 2), softcap=5.0, lengths=True),
+    ),
+    "dropout_dlse": ((1, 2, 18, 16), (1, 2, 18, 16), (1, 2, 18, 16), dict(dropout_p=0.3, seed=3)),
+    # boolean attn_mask (L, S) broadcast over batch and heads, with causal on top
+    "bool_mask": ((2, 2, 19, 16), (2, 1, 21, 16), (2, 1, 21, 16), dict(mask=(19, 21))),
+    # boolean attn_mask per batch and head (batch, heads, L, S)
+    "bool_mask_full": ((2, 2, 9, 16), (2, 2, 13, 16), (2, 2, 13, 16), dict(mask=(2, 2, 9, 13))),
+}
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("kind", ["float64", "float32", "float16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_backward_glue_matches_composed(kernels_on_host, case, kind, deterministic):
+    qs, ks, vs, opts = CASES[case]
+    opts = dict(opts)
+    opts.setdefault("enable_gqa", True)
+    rng = np.random.default_rng(5)
+    dt = np.dtype(kind)
+    q, k, v = (rng.standard_normal(s).astype(dt) for s in (qs, ks, vs))
+    attn_mask = None
+    if "mask" in opts:
+        attn_mask = rng.random(opts.pop("mask")) < 0.6
+        opts["is_causal"] = case == "bool_mask"
+    if opts.pop("lengths", False):
+        opts["q_lengths"] = np.array([20, 7], dtype=np.int32)
+        opts["kv_lengths"] = np.array([11, 25], dtype=np.int32)
+    (out, lse), pullback = aa.vjp(
+        aa.scaled_dot_product_attention,
+        q,
+        k,
+        v,
+        attn_mask,
+        return_lse=True,
+        implementation="composed",
+        **opts,
+    )
+    d_out = rng.standard_normal(out.shape).astype(dt)
+    d_lse = rng.standard_normal(lse.shape).astype(lse.dtype) if "dropout" in case else None
+    want = pullback((d_out, d_lse))[:3]
+
+    spec = make_spec(
+        q,
+        k,
+        v,
+        attn_mask,
+        opts.get("dropout_p", 0.0),
+        opts.get("is_causal", False),
+        None,
+        opts["enable_gqa"],
+        opts.get("causal_align", "top_left"),
+        opts.get("window"),
+        opts.get("softcap"),
+        opts.get("seed"),
+        q_lengths=opts.get("q_lengths"),
+        kv_lengths=opts.get("kv_lengths"),
+    )
+    got = bwd.backward(
+        spec, q, k, v, attn_mask, out, lse, d_out, d_lse, deterministic=deterministic
+    )
+    assert got[3] is None
+    assert any("_dq_" in n for n, *_ in kernels_on_host.launches) == deterministic
+    tol = {"float64": 1e-11, "float32": 2e-5, "float16": 2e-2}[kind]
+    for name, g, w, arg in zip(("dq", "dk", "dv"), got[:3], want, (q, k, v), strict=True):
+        assert g.shape == arg.shape and g.dtype == arg.dtype, name
+        w64, g64 = w.astype(np.float64), g.astype(np.float64)
+        err = np.linalg.norm(g64 - w64) / max(np.linalg.norm(w64), 1e-30)
+        assert err <= tol, f"{name}: relative error {err:.3g}"

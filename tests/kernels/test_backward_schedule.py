@@ -1,0 +1,307 @@
+"""The backward kernels' block schedule and reduction order, modelled in NumPy.
+
+``arrayattn/kernels/backward.py`` mirrors the loops of ``attn_bwd.cu``
+(:func:`row_range`, :func:`dkdv_schedule`, :func:`dq_schedule`). These tests check, on the
+CPU and without a GPU:
+
+1. coverage: for every key block the visited query blocks hold every allowed (i, j) of
+   the block, and blocks declared "full" (element mask skipped) are entirely allowed;
+   the same for the deterministic dQ kernel's key blocks;
+2. the Python mirrors equal the C++ helpers (compiled through the host emulator);
+3. a float64 NumPy model that follows exactly the kernels' schedule and reduction order
+   (key block -> query heads of the GQA group -> query blocks; dQ by accumulation over
+   key blocks, or per query block in key order for deterministic mode) gives the same
+   gradients as the composed backward (``implementation="composed"``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import arrayattn as aa
+from arrayattn.kernels.backward import dkdv_schedule, dq_schedule, row_range
+from arrayattn.kernels.tiles import allowed as allowed_one
+from arrayattn.kernels.tiles import block_full, key_range
+from arrayattn.ops.dropout import dropout_keep
+
+
+def structure_mask(L, S, q_len, kv_len, offset, left, right, rows_valid=True) -> np.ndarray:
+    """SEMANTICS.md's rule over the whole grid (rows past q_len excluded unless asked)."""
+    i = np.arange(L)[:, None]
+    j = np.arange(S)[None, :]
+    ok = j < kv_len
+    if rows_valid:
+        ok = ok & (i < q_len)
+    if left >= 0:
+        ok = ok & (j >= i + offset - left)
+    if right >= 0:
+        ok = ok & (j <= i + offset + right)
+    return np.broadcast_to(ok, (L, S))
+
+
+geometry = st.tuples(
+    st.integers(1, 70),  # L
+    st.integers(1, 70),  # S
+    st.integers(0, 70),  # q_len (clipped to L)
+    st.integers(0, 70),  # kv_len (clipped to S)
+    st.booleans(),  # bottom-right
+    st.integers(-1, 20),  # left
+    st.integers(-1, 20),  # right
+    st.sampled_from([8, 16, 32]),  # BN
+    st.sampled_from([8, 16, 32]),  # BM
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(geometry)
+def test_dkdv_schedule_covers_allowed_pairs(g):
+    L, S, q_len, kv_len, br, left, right, bn, bm = g
+    q_len, kv_len = min(q_len, L), min(kv_len, S)
+    offset = kv_len - q_len if br else 0
+    ref = structure_mask(L, S, q_len, kv_len, offset, left, right)
+    struct = structure_mask(L + 64, S, q_len, kv_len, offset, left, right, rows_valid=False)
+    for c0 in range(0, S, bn):
+        c1 = min(c0 + bn, S)
+        visited = np.zeros(L, dtype=bool)
+        blocks = dkdv_schedule(c0, bn, bm, q_len, kv_len, offset, left, right)
+        starts = [m0 for m0, _ in blocks]
+        assert starts == sorted(set(starts))
+        for m0, full in blocks:
+            assert 0 <= m0 < max(q_len, 1)
+            visited[m0 : m0 + bm] = True
+            if full:  # rows past q_len are zeroed by LSE = +inf, not by the mask
+                assert struct[m0 : m0 + bm, c0 : c0 + bn].all()
+                assert c0 + bn <= kv_len
+        needed = ref[:, c0:c1].any(axis=1)
+        assert not (needed & ~visited[:L]).any(), f"rows missed for key block {c0}"
+
+
+@settings(max_examples=400, deadline=None)
+@given(geometry)
+def test_dq_schedule_covers_allowed_pairs(g):
+    L, S, q_len, kv_len, br, left, right, bn, bm = g
+    q_len, kv_len = min(q_len, L), min(kv_len, S)
+    offset = kv_len - q_len if br else 0
+    ref = structure_mask(L, S, q_len, kv_len, offset, left, right)
+    struct = structure_mask(L + 64, S + 64, q_len, kv_len, offset, left, right, False)
+    for m0 in range(0, L, bm):
+        visited = np.zeros(S + bn, dtype=bool)
+        for c0, full in dq_schedule(m0, bm, bn, q_len, kv_len, offset, left, right):
+            assert 0 <= c0 < max(kv_len, 1)
+            visited[c0 : c0 + bn] = True
+            if full:
+                assert struct[m0 : m0 + bm, c0 : c0 + bn].all() and c0 + bn <= kv_len
+        needed = ref[m0 : m0 + bm].any(axis=0)
+        assert not (needed & ~visited[:S]).any(), f"keys missed for query block {m0}"
+
+
+def test_row_range_is_tight_inverse_of_key_range():
+    """Exhaustive small grid: row_range gives exactly the rows whose key_range meets the
+    key block (no block visited that key_range would not visit)."""
+    for off in (-3, 0, 4):
+        for left in (-1, 0, 2):
+            for right in (-1, 0, 3):
+                for c0 in range(0, 12):
+                    for c1 in range(c0, 13):
+                        lo, hi = row_range(c0, c1, off, left, right, 12)
+                        rows = [
+                            i for i in range(12)
+                            if any(allowed_one(i, j, off, left, right, 10**6)
+                                   for j in range(c0, c1))
+                        ]  # fmt: skip
+                        want = (rows[0], rows[-1] + 1) if rows else None
+                        got = (lo, hi) if hi > lo else None
+                        assert got == want, (off, left, right, c0, c1)
+
+
+# -- the mirrors against the C++ helpers ---------------------------------------------------
+@pytest.fixture(scope="module")
+def cpp(tmp_path_factory):
+    emu = pytest.importorskip("_backward_emu")
+    if emu.compiler() is None or emu.cuda_include() is None:
+        pytest.skip("needs g++ and the CUDA headers for the host emulator")
+    return emu.build([], tmp_path_factory.mktemp("bwd_sched"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(-5, 40), st.integers(-5, 40), st.integers(-30, 30), st.integers(-1, 9),
+    st.integers(-1, 9), st.integers(0, 40),
+)  # fmt: skip
+def test_mirrors_equal_cpp_helpers(cpp, a, b, off, left, right, n):
+    out = (ctypes.c_int * 2)()
+    cpp.aa_emu_row_range(a, b, off, left, right, n, out)
+    assert tuple(out) == row_range(a, b, off, left, right, n)
+    cpp.aa_emu_key_range(a, b, off, left, right, n, out)
+    assert tuple(out) == key_range(a, b, off, left, right, n)
+    for c0 in (0, 5, 17):
+        assert bool(cpp.aa_emu_block_full(a, b, c0, c0 + 8, off, left, right, n)) == block_full(
+            a, b, c0, c0 + 8, off, left, right, n
+        )
+
+
+# -- a float64 model of the kernels' algorithm ---------------------------------------------
+LOG2E = 1.4426950408889634
+
+
+def _tile_grads(qt, kt, vt, dot, lse2, delta, rows, cols, full, seq, opts, b, h):
+    """One (query block x key block) tile as aa_bwd_element computes it: returns the
+    dropped probabilities (for dV) and dS (scale and softcap chain applied)."""
+    q_len, kv_len, offset = seq
+    left, right = opts["window"]
+    s = (qt @ kt.T) * opts["scale"]
+    chain = 1.0
+    if opts["softcap"]:
+        t = np.tanh(s / opts["softcap"])
+        s = opts["softcap"] * t
+        chain = 1.0 - t * t
+    i, j = rows[:, None], cols[None, :]
+    if full:
+        ok = np.ones(s.shape, dtype=bool)
+    else:
+        ok = (j < kv_len) & np.ones(s.shape, dtype=bool)
+        if left >= 0:
+            ok &= j >= i + offset - left
+        if right >= 0:
+            ok &= j <= i + offset + right
+    with np.errstate(invalid="ignore"):
+        p = np.where(ok, np.exp2(s * LOG2E - lse2[:, None]), 0.0)
+    dp = dot @ vt.T
+    if opts["dropout_p"] > 0:
+        keep = dropout_keep(
+            np, opts["seed"], opts["dropout_p"], np.int32(b), np.int32(h),
+            rows.astype(np.int32)[:, None], cols.astype(np.int32),
+        )  # fmt: skip
+        inv = 1.0 / (1.0 - opts["dropout_p"])
+        pd = np.where(keep, p * inv, 0.0)
+        dp = np.where(keep, dp * inv, 0.0)
+    else:
+        pd = p
+    ds = p * (dp - delta[:, None]) * chain * opts["scale"]
+    return pd, ds
+
+
+def model_backward(q, k, v, out, d_out, lse, d_lse, q_lens, kv_lens, opts, tiles,
+                   deterministic):  # fmt: skip
+    """The kernels' algorithm in float64, block by block in their order."""
+    B, Hq, L, E = q.shape
+    Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+    G = Hq // Hkv
+    bn, bm, qbm, qbn = tiles
+    delta = (d_out * out).sum(-1) - (0.0 if d_lse is None else d_lse)
+    lse2 = np.where(np.isneginf(lse), np.inf, lse * LOG2E)
+    pad = max(bm, qbm)
+    qp = np.concatenate([q, np.zeros((B, Hq, pad, E))], axis=2)
+    dop = np.concatenate([d_out, np.zeros((B, Hq, pad, Ev))], axis=2)
+    kp = np.concatenate([k, np.zeros((B, Hkv, max(bn, qbn), E))], axis=2)
+    vp = np.concatenate([v, np.zeros((B, Hkv, max(bn, qbn), Ev))], axis=2)
+    dq = np.zeros((B, Hq, L + pad, E))
+    dk = np.zeros((B, Hkv, S, E))
+    dv = np.zeros((B, Hkv, S, Ev))
+    for b in range(B):
+        q_len = L if q_lens is None else min(int(q_lens[b]), L)
+        kv_len = S if kv_lens is None else min(int(kv_lens[b]), S)
+        offset = kv_len - q_len if opts["bottom_right"] else 0
+        seq = (q_len, kv_len, offset)
+        left, right = opts["window"]
+
+        def stats(h, rows, b=b, q_len=q_len):
+            """Rows' lse2 and delta as aa_bwd_load_stats loads them (+inf / 0 past q_len)."""
+            valid = rows < q_len
+            lse_r = np.where(valid, lse2[b, h, np.minimum(rows, L - 1)], np.inf)
+            return lse_r, np.where(valid, delta[b, h, np.minimum(rows, L - 1)], 0.0)
+
+        for hk in range(Hkv):
+            for c0 in range(0, S, bn):
+                cols = np.arange(c0, c0 + bn)
+                kt, vt = kp[b, hk, c0 : c0 + bn], vp[b, hk, c0 : c0 + bn]
+                acc_k = np.zeros((bn, E))
+                acc_v = np.zeros((bn, Ev))
+                for h in range(hk * G, hk * G + G):
+                    for m0, full in dkdv_schedule(c0, bn, bm, q_len, kv_len, offset, left, right):
+                        rows = np.arange(m0, m0 + bm)
+                        qt, dot = qp[b, h, m0 : m0 + bm], dop[b, h, m0 : m0 + bm]
+                        lse_r, delta_r = stats(h, rows)
+                        pd, ds = _tile_grads(qt, kt, vt, dot, lse_r, delta_r, rows, cols, full,
+                                             seq, opts, b, h)  # fmt: skip
+                        acc_v += pd.T @ dot
+                        acc_k += ds.T @ qt
+                        if not deterministic:
+                            valid = (rows < q_len)[:, None]
+                            dq[b, h, m0 : m0 + bm] += np.where(valid, ds @ kt, 0.0)
+                n = min(bn, S - c0)
+                dk[b, hk, c0 : c0 + n] = acc_k[:n]
+                dv[b, hk, c0 : c0 + n] = acc_v[:n]
+        if deterministic:
+            for h in range(Hq):
+                hk = h // G
+                for m0 in range(0, L, qbm):
+                    rows = np.arange(m0, m0 + qbm)
+                    qt, dot = qp[b, h, m0 : m0 + qbm], dop[b, h, m0 : m0 + qbm]
+                    lse_r, delta_r = stats(h, rows)
+                    acc = np.zeros((qbm, E))
+                    for c0, full in dq_schedule(m0, qbm, qbn, q_len, kv_len, offset, left, right):
+                        cols = np.arange(c0, c0 + qbn)
+                        kt, vt = kp[b, hk, c0 : c0 + qbn], vp[b, hk, c0 : c0 + qbn]
+                        _, ds = _tile_grads(qt, kt, vt, dot, lse_r, delta_r, rows, cols, full,
+                                            seq, opts, b, h)  # fmt: skip
+                        acc += ds @ kt
+                    dq[b, h, m0 : m0 + qbm] = acc
+    return dq[:, :, :L], dk, dv
+
+
+CASES = [
+    dict(),
+    dict(is_causal=True),
+    dict(is_causal=True, causal_align="bottom_right"),
+    dict(window=(7, 2)),
+    dict(window=(5, -1), is_causal=True, causal_align="bottom_right", lengths=True),
+    dict(softcap=3.0, lengths=True),
+    dict(dropout_p=0.25, seed=99, is_causal=True),
+    dict(is_causal=True, d_lse=True, lengths=True),
+]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_model_matches_composed_backward(case, deterministic):
+    c = dict(CASES[case])
+    rng = np.random.default_rng(case)
+    B, Hq, Hkv, L, S, E, Ev = 2, 4, 2, 29, 41, 8, 6
+    q = rng.standard_normal((B, Hq, L, E))
+    k = rng.standard_normal((B, Hkv, S, E))
+    v = rng.standard_normal((B, Hkv, S, Ev))
+    lengths = c.pop("lengths", False)
+    use_dlse = c.pop("d_lse", False)
+    q_lens = np.array([L, 11], dtype=np.int32) if lengths else None
+    kv_lens = np.array([S - 9, 30], dtype=np.int32) if lengths else None
+    extra = dict(q_lengths=q_lens, kv_lengths=kv_lens) if lengths else {}
+    (out, lse), pullback = aa.vjp(
+        aa.scaled_dot_product_attention, q, k, v, enable_gqa=True, return_lse=True,
+        implementation="composed", **c, **extra,
+    )  # fmt: skip
+    d_out = rng.standard_normal(out.shape)
+    d_lse = rng.standard_normal(lse.shape) if use_dlse else None
+    want = pullback((d_out, d_lse))
+
+    right = (c.get("window") or (-1, -1))[1]
+    if c.get("is_causal"):
+        right = 0 if right < 0 else min(right, 0)
+    opts = dict(
+        scale=1.0 / math.sqrt(E),
+        softcap=c.get("softcap"),
+        window=((c.get("window") or (-1, -1))[0], right),
+        bottom_right=c.get("causal_align") == "bottom_right" and (S != L or lengths),
+        dropout_p=c.get("dropout_p", 0.0),
+        seed=c.get("seed", 0),
+    )
+    got = model_backward(q, k, v, out, d_out, lse, d_lse, q_lens, kv_lens, opts,
+                         tiles=(16, 8, 8, 16), deterministic=deterministic)  # fmt: skip
+    for name, g, w in zip(("dq", "dk", "dv"), got, want[:3], strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12, err_msg=name)

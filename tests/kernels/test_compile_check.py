@@ -1,0 +1,70 @@
+"""The CUDA compile check (.ci/compile_kernels.py): its ptxas-report parser on a canned
+report, and, when nvcc is installed, a real compile of the forward kernels' hot variants
+for sm_90 (the backward kernels' variants are checked by .ci/run's full run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / ".ci" / "compile_kernels.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("compile_kernels", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["compile_kernels"] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+SAMPLE = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function '_Z9aa_fwd_tcILi0ELi128ELb0ELb0ELi0EEvPKtS1_S1_PtPfPKvPKiS7_S7_S7_xxxxxxxxxxxxxxxxxxiiiiiiffffjjf' for 'sm_90'
+ptxas info    : Function properties for _Z9aa_fwd_tcILi0ELi128ELb0ELb0ELi0EEvPKtS1_S1_PtPfPKvPKiS7_S7_S7_xxxxxxxxxxxxxxxxxxiiiiiiffffjjf
+    8 bytes stack frame, 12 bytes spill stores, 16 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 8 bytes cumulative stack size
+ptxas info    : Compiling entry function '_Z11aa_fwd_simtIdLi32ELb1ELb0ELi2EEvPKT_S2_S2_PS0_S3_PKvPKiS7_S7_S7_xxxxxxxxxxxxxxxxxxiiiiiiS0_S0_S0_S0_jjS0_' for 'sm_90'
+ptxas info    : Function properties for _Z11aa_fwd_simtIdLi32ELb1ELb0ELi2EEvPKT_S2_S2_PS0_S3_PKvPKiS7_S7_S7_xxxxxxxxxxxxxxxxxxiiiiiiS0_S0_S0_S0_jjS0_
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 96 registers, used 1 barriers
+"""  # noqa: E501
+
+
+@pytest.mark.skipif(shutil.which("c++filt") is None, reason="c++filt demangles the names")
+def test_parse_ptxas_report() -> None:
+    mod = _load()
+    reps = mod.parse_ptxas(SAMPLE)
+    tc = reps[mod._norm("aa_fwd_tc<0, 128, false, false, 0>")]
+    assert (tc.registers, tc.stack, tc.spill_stores, tc.spill_loads) == (255, 8, 12, 16)
+    assert tc.spills
+    simt = reps[mod._norm("aa_fwd_simt<double, 32, true, false, 2>")]
+    assert (simt.registers, simt.spill_stores, simt.spill_loads) == (96, 0, 0)
+    assert not simt.spills
+
+
+def test_variant_list_covers_every_dtype_and_head_dim() -> None:
+    mod = _load()
+    names = {v[0] for v in mod.forward_variants()}
+    for kind in ("float16", "bfloat16", "float32", "float64"):
+        for d in (32, 64, 96, 128, 256):
+            assert mod.forward_kernel_name(kind, d, False, False, 0) in names
+    assert mod.HOT <= names
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_hot_variants_compile_without_spills() -> None:
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--hot-only", "--source", "attn_fwd.cu"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "aa_fwd_tc<0, 128, 2, false, false, 0>" in res.stdout

@@ -1,0 +1,409 @@
+"""The forward kernels of attn_fwd.cu, run on the CPU under a host emulator, against a
+float64 reference written plainly here.
+
+``forward_emulator.h`` supplies one OS thread per CUDA thread, barriers, warp shuffles,
+and the PTX operations (ldmatrix, mma.sync m16n8k16, cp.async groups) following the PTX
+ISA fragment layouts, so this runs the kernels' own source: tile indexing, fragment
+layouts, pipeline bookkeeping, online softmax, masks, lengths, dropout, empty rows. It
+does not show GPU-only effects (real asynchrony, ex2.approx rounding, performance).
+The output buffers start poisoned with NaN bytes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from arrayattn.kernels.tiles import forward_kernel_name, is_heavy, tc_row_tiles, tile_config
+from arrayattn.ops.dropout import dropout_keep, dropout_threshold
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Case:
+    kind: str
+    d: int
+    B: int = 1
+    Hq: int = 2
+    Hkv: int = 1
+    L: int = 70
+    S: int = 75
+    causal: bool = False
+    bottom_right: bool = False
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+    dropout_p: float = 0.0
+    mask_kind: int = 0  # 0 none, 1 bool, 2 float
+    mask_b: bool = True  # mask varies over batch (else broadcast)
+    mask_h: bool = True  # ... over heads
+    q_lens: tuple[int, ...] | None = None
+    kv_lens: tuple[int, ...] | None = None
+    bshd: bool = False  # q/k/v stored (B, L, H, D): strided rows
+    seed: int = 1234
+    mt: int | None = None  # tensor-core row tiles per warp (None: the default)
+    extra: dict = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def row_tiles(self) -> int | None:
+        """The tensor-core MT this case runs (as fused.py would pick it), None for SIMT."""
+        if self.kind not in ("float16", "bfloat16"):
+            return None
+        if self.mt is not None:
+            return self.mt
+        heavy = is_heavy(self.softcap is not None, self.dropout_p > 0, self.mask_kind)
+        return tc_row_tiles(self.d, heavy)
+
+    @property
+    def kernel(self) -> str:
+        return forward_kernel_name(
+            self.kind,
+            self.d,
+            self.softcap is not None,
+            self.dropout_p > 0,
+            self.mask_kind,
+            self.row_tiles,
+        )
+
+
+CASES = {
+    "f16_d64_gqa_bshd_ragged": Case("float16", 64, Hq=4, Hkv=2, L=150, S=141, bshd=True),
+    "f16_d64_causal_br_lengths": Case(
+        "float16",
+        64,
+        B=2,
+        Hq=1,
+        L=70,
+        S=200,
+        causal=True,
+        bottom_right=True,
+        q_lens=(70, 33),
+        kv_lens=(200, 150),
+    ),
+    "f16_d128_causal_tl": Case("float16", 128, Hq=1, L=129, S=129, causal=True),
+    "f16_d128_mt1_causal_tl": Case("float16", 128, Hq=1, L=129, S=129, causal=True, mt=1),
+    "f16_d64_mt1_gqa_bshd_ragged": Case("float16", 64, Hq=4, Hkv=2, L=150, S=141, bshd=True, mt=1),
+    "f16_d96_window_dropout": Case(
+        "float16", 96, Hq=2, L=140, S=100, window=(30, 10), dropout_p=0.1
+    ),
+    "bf16_d32_softcap_dropout_window_floatmask": Case(
+        "bfloat16",
+        32,
+        B=2,
+        Hq=2,
+        Hkv=2,
+        L=130,
+        S=97,
+        window=(20, 5),
+        softcap=2.0,
+        dropout_p=0.3,
+        mask_kind=2,
+        mask_b=False,
+    ),
+    "f16_d256_boolmask_empty_rows": Case(
+        "float16", 256, Hq=1, L=70, S=75, mask_kind=1, mask_h=False
+    ),
+    "f32_d64_causal_gqa_softcap_dropout_bool": Case(
+        "float32",
+        64,
+        Hq=4,
+        Hkv=2,
+        L=100,
+        S=90,
+        causal=True,
+        softcap=5.0,
+        dropout_p=0.2,
+        mask_kind=1,
+    ),
+    "f64_d32_window_lengths_floatmask": Case(
+        "float64",
+        32,
+        B=2,
+        Hq=2,
+        Hkv=1,
+        L=45,
+        S=80,
+        window=(7, 3),
+        bottom_right=True,
+        q_lens=(45, 20),
+        kv_lens=(60, 80),
+        mask_kind=2,
+        bshd=True,
+    ),
+}
+
+_STORAGE = {
+    "float16": np.float16,
+    "bfloat16": np.uint16,
+    "float32": np.float32,
+    "float64": np.float64,
+}
+
+
+def _cfg_struct(kind: str, d: int, mt: int | None) -> str:
+    if kind in ("float16", "bfloat16"):
+        return f"AaTcCfg<{d}, {mt}>"
+    return f"AaSimtCfg<{'double' if kind == 'float64' else 'float'}, {d}>"
+
+
+def _defines(kind: str, d: int, kernel: str, mt: int | None) -> list[str]:
+    tio = {
+        "float16": "unsigned short",
+        "bfloat16": "unsigned short",
+        "float32": "float",
+        "float64": "double",
+    }[kind]
+    tacc = "double" if kind == "float64" else "float"
+    return [
+        f"-DAA_KERNEL={kernel}",
+        f"-DAA_TIO={tio}",
+        f"-DAA_TACC={tacc}",
+        f"-DAA_CFG={_cfg_struct(kind, d, mt)}",
+    ]
+
+
+@pytest.fixture(scope="module")
+def executables(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is needed to build the host emulator")
+    work = tmp_path_factory.mktemp("fwd_emu")
+    kernels = resources.files("arrayattn.kernels")
+    variants = {c.kernel: c for c in CASES.values()}
+
+    def build(kernel: str) -> tuple[str, Path, str]:
+        case = variants[kernel]
+        exe = work / f"emu_{abs(hash(kernel))}"
+        cmd = [
+            "g++",
+            "-std=c++20",
+            "-O1",
+            "-pthread",
+            "-I",
+            str(HERE),
+            "-I",
+            str(kernels),
+            *_defines(case.kind, case.d, kernel, case.row_tiles),
+            str(HERE / "forward_emulator_main.cpp"),
+            "-o",
+            str(exe),
+        ]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        return kernel, exe, res.stderr if res.returncode else ""
+
+    out = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        for kernel, exe, err in pool.map(build, variants):
+            if err:
+                pytest.fail(f"building the emulator for {kernel} failed:\n{err[-3000:]}")
+            out[kernel] = exe
+    return out
+
+
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _bf16_value(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def _inputs(case: Case, rng: np.random.Generator):
+    """Random inputs in the storage dtype, and their exact float64 values."""
+    shapes = {
+        "q": (case.B, case.Hq, case.L, case.d),
+        "k": (case.B, case.Hkv, case.S, case.d),
+        "v": (case.B, case.Hkv, case.S, case.d),
+    }
+    stored, exact = {}, {}
+    for name, shape in shapes.items():
+        x = rng.standard_normal(shape) * (1.5 if name != "v" else 1.0)
+        if case.kind == "bfloat16":
+            bits = _bf16_bits(x)
+            stored[name], exact[name] = bits, _bf16_value(bits)
+        else:
+            xs = x.astype(_STORAGE[case.kind])
+            stored[name], exact[name] = xs, xs.astype(np.float64)
+    mask = None
+    if case.mask_kind:
+        mshape = (case.B if case.mask_b else 1, case.Hq if case.mask_h else 1, case.L, case.S)
+        if case.mask_kind == 1:
+            mask = rng.random(mshape) < 0.8
+            mask[..., 3, :] = False  # an empty row (output 0, LSE -inf)
+        else:
+            mask = rng.standard_normal(mshape)
+            mask[..., 5, ::3] = -np.inf
+            mask = mask.astype(np.float64 if case.kind == "float64" else np.float32)
+    return stored, exact, mask
+
+
+def _structure(case: Case) -> tuple[int, int]:
+    left, right = case.window if case.window is not None else (-1, -1)
+    if case.causal:
+        right = 0 if right == -1 else min(right, 0)
+    return left, right
+
+
+def reference(case: Case, x: dict, mask) -> tuple[np.ndarray, np.ndarray]:
+    """SEMANTICS.md in float64, one (batch, head) at a time."""
+    q, k, v = x["q"], x["k"], x["v"]
+    B, Hq, L, _ = q.shape
+    S = k.shape[2]
+    G = Hq // case.Hkv
+    scale = 1.0 / math.sqrt(case.d)
+    left, right = _structure(case)
+    out = np.zeros((B, Hq, L, case.d))
+    lse = np.full((B, Hq, L), -np.inf)
+    for b in range(B):
+        ql = case.q_lens[b] if case.q_lens else L
+        kl = case.kv_lens[b] if case.kv_lens else S
+        off = (kl - ql) if case.bottom_right else 0
+        i = np.arange(L)[:, None]
+        j = np.arange(S)[None, :]
+        ok = (i < ql) & (j < kl)
+        if left >= 0:
+            ok = ok & (j >= i + off - left)
+        if right >= 0:
+            ok = ok & (j <= i + off + right)
+        for h in range(Hq):
+            s = scale * (q[b, h] @ k[b, h // G].T)
+            if case.softcap is not None:
+                s = case.softcap * np.tanh(s / case.softcap)
+            allow = ok.copy()
+            if mask is not None:
+                mb = mask[b if case.mask_b else 0, h if case.mask_h else 0]
+                if case.mask_kind == 1:
+                    allow &= mb
+                else:
+                    s = s + mb
+            s = np.where(allow, s, -np.inf)
+            m = s.max(axis=1, keepdims=True)
+            m = np.where(np.isfinite(m), m, 0.0)
+            e = np.exp(s - m)
+            tot = e.sum(axis=1, keepdims=True)
+            p = e / np.where(tot > 0, tot, 1.0)
+            lse[b, h] = np.where(
+                tot[:, 0] > 0, m[:, 0] + np.log(np.where(tot > 0, tot, 1))[:, 0], -np.inf
+            )
+            if case.dropout_p > 0:
+                import array_api_compat.numpy as xnp
+
+                keep = dropout_keep(
+                    xnp,
+                    case.seed,
+                    case.dropout_p,
+                    np.int32(b),
+                    np.int32(h),
+                    np.arange(L, dtype=np.int32)[:, None],
+                    np.arange(S, dtype=np.int32),
+                )
+                p = np.where(keep, p / (1.0 - case.dropout_p), 0.0)
+            out[b, h] = p @ v[b, h // G]
+    return out, lse
+
+
+def run_emulated(exe: Path, case: Case, stored: dict, mask, work: Path, eager: bool = False):
+    tc = tile_config(case.kind, case.d, case.row_tiles)
+    left, right = _structure(case)
+    header = np.array(
+        [
+            case.B,
+            case.Hq,
+            case.Hkv,
+            case.L,
+            case.S,
+            case.d,
+            case.Hq // case.Hkv,
+            int(case.bottom_right),
+            left,
+            right,
+            case.mask_kind,
+            int(case.mask_b),
+            int(case.mask_h),
+            int(case.q_lens is not None),
+            int(case.kv_lens is not None),
+            case.seed,
+            dropout_threshold(case.dropout_p) if case.dropout_p > 0 else 0,
+            int(case.bshd),
+            tc.smem_bytes,
+            tc.block_m,
+        ],
+        dtype=np.int64,
+    )
+    scale = 1.0 / math.sqrt(case.d)
+    floats = np.array([scale, case.softcap or 0.0, 1.0 / (1.0 - case.dropout_p), 0.0])
+    path_in, path_out = work / "in.bin", work / "out.bin"
+    with open(path_in, "wb") as f:
+        f.write(header.tobytes())
+        f.write(floats.tobytes())
+        for name in ("q", "k", "v"):
+            a = stored[name]
+            if case.bshd:
+                a = np.transpose(a, (0, 2, 1, 3))  # stored (B, L, H, D)
+            f.write(np.ascontiguousarray(a).tobytes())
+        if mask is not None:
+            m = mask.astype(np.uint8) if case.mask_kind == 1 else mask
+            f.write(np.ascontiguousarray(m).tobytes())
+        if case.q_lens is not None:
+            f.write(np.asarray(case.q_lens, dtype=np.int32).tobytes())
+        if case.kv_lens is not None:
+            f.write(np.asarray(case.kv_lens, dtype=np.int32).tobytes())
+    env = dict(os.environ)
+    env.pop("AA_EMU_EAGER", None)
+    if eager:
+        env["AA_EMU_EAGER"] = "1"
+    res = subprocess.run(
+        [str(exe), str(path_in), str(path_out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    assert res.returncode == 0, f"emulator exit {res.returncode}: {res.stderr[-2000:]}"
+    raw = path_out.read_bytes()
+    n_out = case.B * case.Hq * case.L * case.d
+    tio = np.uint16 if case.kind == "bfloat16" else _STORAGE[case.kind]
+    isz = np.dtype(tio).itemsize
+    out = np.frombuffer(raw[: n_out * isz], dtype=tio).reshape(case.B, case.Hq, case.L, case.d)
+    out = _bf16_value(out) if case.kind == "bfloat16" else out.astype(np.float64)
+    lse_t = np.float64 if case.kind == "float64" else np.float32
+    lse = np.frombuffer(raw[n_out * isz :], dtype=lse_t).reshape(case.B, case.Hq, case.L)
+    return out, lse.astype(np.float64)
+
+
+_TOL = {"float16": 3e-3, "bfloat16": 2e-2, "float32": 1e-5, "float64": 1e-12}
+_LSE_TOL = {"float16": 1e-4, "bfloat16": 1e-3, "float32": 1e-5, "float64": 1e-12}
+
+
+_EAGER = ["f16_d64_gqa_bshd_ragged", "f16_d256_boolmask_empty_rows"]
+
+
+@pytest.mark.parametrize("name,eager", [(n, False) for n in CASES] + [(n, True) for n in _EAGER])
+def test_forward_kernel_emulated(name: str, eager: bool, executables, tmp_path: Path) -> None:
+    case = CASES[name]
+    rng = np.random.default_rng()  # fresh inputs every run
+    stored, exact, mask = _inputs(case, rng)
+    out, lse = run_emulated(executables[case.kernel], case, stored, mask, tmp_path, eager)
+    ref_out, ref_lse = reference(case, exact, mask)
+
+    assert not np.isnan(out).any(), "NaN in the output (unwritten or a NaN leak)"
+    assert not np.isnan(lse).any(), "NaN in the LSE"
+    empty = np.isneginf(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(lse), empty, err_msg="empty rows differ")
+    assert (out[empty] == 0).all(), "empty rows must give exactly 0"
+    err = np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out)
+    assert err <= _TOL[case.kind], f"relative Frobenius error {err:.2e}"
+    finite = ~empty
+    lse_err = np.max(np.abs(lse[finite] - ref_lse[finite]) / np.maximum(1, np.abs(ref_lse[finite])))
+    assert lse_err <= _LSE_TOL[case.kind], f"LSE error {lse_err:.2e}"

@@ -1,0 +1,236 @@
+"""The fused implementation's Python side (fused.py, _loader.py), end to end on the CPU.
+
+A stand-in ``cupy`` module backed by NumPy replaces CuPy; its kernels record each launch
+(grid, block, shared memory, every argument with its type and the memory behind every
+pointer) and replay it through the host emulator of the real ``attn_fwd.cu``
+(``forward_emulator_launch.cpp``), which also checks the argument list against the
+kernel's C++ signature. So this covers argument order and widths, strides of
+transposed and broadcast inputs, head-dim padding, GQA, masks, lengths, dropout seeds,
+the output shapes and dtypes, against the composed reference path on the same spec.
+Not covered: CuPy and NVRTC themselves (GPU tests).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+import sys
+import types
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from arrayattn.kernels import _loader, fused
+from arrayattn.ops import _composed
+from arrayattn.ops._attention_spec import make_spec
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).resolve().parent
+_EXES: dict[str, Path] = {}
+
+
+def _cfg(name: str) -> str:
+    m = re.match(r"aa_fwd_(tc|simt)<\s*(\w+)\s*,\s*(\d+)\s*,\s*(\w+)", name)
+    assert m, name
+    kind, t, d, mt = m.groups()
+    return f"AaTcCfg<{d}, {mt}>" if kind == "tc" else f"AaSimtCfg<{t}, {d}>"
+
+
+def _exe(name: str, work: Path) -> Path:
+    if name not in _EXES:
+        exe = work / f"launch_{len(_EXES)}"
+        cmd = ["g++", "-std=c++20", "-O1", "-pthread", "-I", str(HERE), "-I",
+               str(resources.files("arrayattn.kernels")), f"-DAA_KERNEL={name}",
+               f"-DAA_CFG={_cfg(name)}", str(HERE / "forward_emulator_launch.cpp"), "-o",
+               str(exe)]  # fmt: skip
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-3000:]
+        _EXES[name] = exe
+    return _EXES[name]
+
+
+def _extent(a: np.ndarray) -> tuple[int, int]:
+    """Byte range [lo, hi) an array's elements occupy (strides may be 0 or negative)."""
+    ptr = a.__array_interface__["data"][0]
+    if a.size == 0:
+        return ptr, ptr
+    lo = hi = ptr
+    for n, st in zip(a.shape, a.strides, strict=True):
+        lo += min(0, st * (n - 1))
+        hi += max(0, st * (n - 1))
+    return lo, hi + a.itemsize
+
+
+_TAGS = {np.int64: "q", np.int32: "i", np.uint32: "I", np.float32: "f", np.float64: "d"}
+
+
+class _FakeKernel:
+    def __init__(self, name: str, work: Path) -> None:
+        self.name = name
+        self.work = work
+        self.max_dynamic_shared_size_bytes = 0
+        self.launches = 0
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        exe = _exe(self.name, self.work)
+        ranges = []
+        records = []
+        for a in args:
+            if isinstance(a, np.ndarray):
+                lo, hi = _extent(a)
+                ranges.append((lo, hi))
+                ptr = a.__array_interface__["data"][0]
+                records.append((b"p", len(ranges) - 1, ptr - lo))
+            elif isinstance(a, np.uint64):
+                assert int(a) == 0, "a uint64 argument stands for a null pointer only"
+                records.append((b"n", 0, 0))
+            elif type(a) in _TAGS:
+                tag = _TAGS[type(a)]
+                if tag in "fd":
+                    bits = np.array([float(a)], dtype=np.float64).view(np.int64)[0]
+                    records.append((tag.encode(), 0, int(bits)))
+                else:
+                    records.append((tag.encode(), int(a), 0))
+            else:
+                raise TypeError(f"kernel argument of type {type(a).__name__}: pass numpy scalars")
+        assert shared_mem <= 48 * 1024 or self.max_dynamic_shared_size_bytes >= shared_mem
+        path_in, path_out = self.work / "launch.bin", self.work / "launch.out"
+        with open(path_in, "wb") as f:
+            gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+            head = [gx, gy, gz, int(np.prod(block)), shared_mem, len(ranges)]
+            f.write(np.array(head, dtype=np.int64).tobytes())
+            for lo, hi in ranges:
+                f.write(np.int64(hi - lo).tobytes())
+                f.write(ctypes.string_at(lo, hi - lo))
+            f.write(np.int64(len(records)).tobytes())
+            for tag, v0, v1 in records:
+                f.write(tag)
+                f.write(np.array([v0, v1], dtype=np.int64).tobytes())
+        res = subprocess.run([str(exe), str(path_in), str(path_out)], capture_output=True,
+                             text=True, timeout=900)  # fmt: skip
+        assert res.returncode == 0, f"exit {res.returncode}: {res.stderr[-2000:]}"
+        data = path_out.read_bytes()
+        pos = 0
+        for lo, hi in ranges:
+            ctypes.memmove(lo, data[pos : pos + hi - lo], hi - lo)
+            pos += hi - lo
+        self.launches += 1
+
+
+def _fake_cupy(work: Path) -> types.ModuleType:
+    cp = types.ModuleType("cupy")
+    for name in (
+        "zeros",
+        "empty",
+        "full",
+        "concatenate",
+        "ascontiguousarray",
+        "broadcast_to",
+        "asarray",
+        "bool_",
+        "uint8",
+        "int32",
+        "float16",
+        "float32",
+        "float64",
+    ):
+        setattr(cp, name, getattr(np, name))
+
+    class _Device:
+        def __init__(self, i: int = 0) -> None:
+            self.id = i
+            self.compute_capability = "90"
+
+    cp.cuda = types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDevice=lambda: 0), Device=_Device
+    )
+
+    class RawModule:
+        def __init__(self, code: str, options=(), name_expressions=()) -> None:
+            assert "aa_drop_round" in code and "#include" not in code.split("aa_smem")[0][-200:]
+            self.names = list(name_expressions)
+
+        def get_function(self, name: str) -> _FakeKernel:
+            assert name in self.names
+            return _FakeKernel(name, work)
+
+    cp.RawModule = RawModule
+    return cp
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch, tmp_path_factory):
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is needed for the host emulator")
+    work = tmp_path_factory.mktemp("glue")
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(work))
+    monkeypatch.setattr(_loader, "_KERNELS", {})
+    monkeypatch.setattr(fused, "POISON_OUTPUTS", True)
+    return work
+
+
+def _check(q, k, v, mask=None, tol=None, **kw):
+    opts = dict(dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                causal_align="top_left", window=None, softcap=None, seed=None)  # fmt: skip
+    lengths = {n: kw.pop(n) for n in ("q_lengths", "kv_lengths") if n in kw}
+    opts.update(kw)
+    spec = make_spec(q, k, v, mask, *opts.values(), **lengths)
+    before = [x.copy() for x in (q, k, v)]
+    out, lse = fused.FUSED.forward(spec, q, k, v, mask)
+    ref_out, ref_lse = _composed.forward(spec, q, k, v, mask)
+    for x, b in zip((q, k, v), before, strict=True):
+        np.testing.assert_array_equal(x, b)  # inputs untouched
+    assert out.shape == ref_out.shape and out.dtype == ref_out.dtype
+    assert lse.shape == ref_lse.shape and lse.dtype == ref_lse.dtype
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    o, r = out.astype(np.float64), ref_out.astype(np.float64)
+    err = np.linalg.norm(o - r) / np.linalg.norm(r)
+    assert err <= (tol or {2: 4e-3, 4: 1e-5, 8: 1e-12}[out.dtype.itemsize]), err
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=1e-5, atol=1e-5)
+
+
+def test_padding_gqa_bottom_right_float32(fake_cupy) -> None:
+    rng = np.random.default_rng()
+    q = rng.standard_normal((2, 4, 37, 80), dtype=np.float32)  # E = 80 -> kernel D = 96
+    k = rng.standard_normal((2, 2, 70, 80), dtype=np.float32)
+    v = rng.standard_normal((2, 2, 70, 48), dtype=np.float32)  # Ev = 48
+    _check(q, k, v, enable_gqa=True, is_causal=True, causal_align="bottom_right")
+
+
+def test_strided_and_batch_broadcast_float16(fake_cupy) -> None:
+    rng = np.random.default_rng()
+    q = rng.standard_normal((2, 70, 3, 64)).astype(np.float16).transpose(0, 2, 1, 3)
+    k = rng.standard_normal((1, 3, 75, 64)).astype(np.float16)  # broadcast over batch
+    v = rng.standard_normal((1, 75, 3, 64)).astype(np.float16).transpose(0, 2, 1, 3)
+    _check(q, k, v, is_causal=True)
+
+
+def test_multi_lead_bool_mask_window_softcap_dropout_float16(fake_cupy) -> None:
+    rng = np.random.default_rng()
+    q = rng.standard_normal((2, 3, 1, 40, 32)).astype(np.float16)
+    k = rng.standard_normal((1, 3, 1, 50, 32)).astype(np.float16)  # lead (1, 3) vs (2, 3)
+    mask = rng.random((40, 50)) < 0.8
+    _check(q, k, k, mask, window=(9, 4), softcap=2.5, dropout_p=0.3, seed=77)
+
+
+def test_float_mask_lengths_float64(fake_cupy) -> None:
+    rng = np.random.default_rng()
+    q = rng.standard_normal((3, 2, 45, 32))
+    k = rng.standard_normal((3, 2, 60, 32))
+    mask = rng.standard_normal((3, 1, 1, 60))
+    _check(q, k, k, mask, is_causal=True, causal_align="bottom_right",
+           q_lengths=np.array([45, 10, 0]), kv_lengths=np.array([60, 33, 5]))  # fmt: skip
+
+
+def test_three_dim_and_head_broadcast_float32(fake_cupy) -> None:
+    rng = np.random.default_rng()
+    q = rng.standard_normal((1, 33, 64), dtype=np.float32)  # one query head, broadcast
+    k = rng.standard_normal((2, 50, 64), dtype=np.float32)
+    _check(q, k, k, window=(5, -1))

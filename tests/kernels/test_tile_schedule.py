@@ -1,0 +1,154 @@
+"""The forward kernels' tile schedule (arrayattn/kernels/tiles.py, mirroring attn_fwd.cu)
+against the dense structural mask, on the CPU.
+
+For every query block the kernel visits a range of key tiles and masks elements only on
+tiles it does not know to be entirely allowed. The schedule is right when (1) every
+allowed (i, j) lies in a visited tile, (2) every tile declared unmasked is entirely
+allowed (so skipping the element test changes nothing), and (3) tiles that are neither
+needed nor partially masked are not visited beyond the block-rounding of the key range.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from arrayattn.kernels.tiles import (
+    HEAD_DIMS,
+    allowed,
+    block_schedule,
+    forward_kernel_name,
+    head_dim_bucket,
+    tile_config,
+)
+
+
+def dense_allowed(L, S, q_len, kv_len, bottom_right, left, right) -> np.ndarray:
+    """The reference: SEMANTICS.md's rule written plainly over the whole L x S grid."""
+    offset = (kv_len - q_len) if bottom_right else 0
+    i = np.arange(L)[:, None]
+    j = np.arange(S)[None, :]
+    ok = (i < q_len) & (j < kv_len)
+    if left >= 0:
+        ok &= j >= i + offset - left
+    if right >= 0:
+        ok &= j <= i + offset + right
+    return ok
+
+
+def check_schedule(L, S, q_len, kv_len, bottom_right, left, right, bm, bn) -> None:
+    ref = dense_allowed(L, S, q_len, kv_len, bottom_right, left, right)
+    offset = (kv_len - q_len) if bottom_right else 0
+    for r0 in range(0, L, bm):
+        rows = slice(r0, min(r0 + bm, L))
+        tiles = block_schedule(r0, bm, bn, q_len, kv_len, offset, left, right)
+        visited = np.zeros(S, dtype=bool)
+        indices = [n for n, _ in tiles]
+        assert indices == sorted(set(indices)), "tiles visited once each, in order"
+        for n, masked in tiles:
+            c0, c1 = n * bn, min((n + 1) * bn, S)
+            assert c0 < max(S, 1), f"tile {n} starts past S={S}"
+            visited[c0:c1] = True
+            block = ref[rows, c0:c1]
+            if not masked:
+                # Unmasked tiles: full height (bm rows, all < q_len) and width (bn keys,
+                # all < kv_len), every element allowed.
+                assert r0 + bm <= q_len and (n + 1) * bn <= kv_len
+                assert block.all(), f"tile {n} of rows {r0}.. skipped masking wrongly"
+            # The element predicate the kernel applies on masked tiles equals the ref.
+            for ii in range(rows.start, rows.stop, max(1, (rows.stop - rows.start) // 5)):
+                for jj in range(c0, c1, max(1, (c1 - c0) // 7)):
+                    want = bool(ref[ii, jj])
+                    got = ii < q_len and allowed(ii, jj, offset, left, right, kv_len)
+                    assert got == want
+        needed = ref[rows].any(axis=0)
+        assert not (needed & ~visited).any(), f"rows {r0}..: allowed keys in unvisited tiles"
+        if tiles:
+            # No visited tile lies wholly outside the block's key range.
+            lo = int(np.argmax(needed)) if needed.any() else None
+            if lo is not None:
+                hi = int(S - np.argmax(needed[::-1]))
+                assert tiles[0][0] == lo // bn and tiles[-1][0] == (hi - 1) // bn
+            else:
+                pytest.fail(f"rows {r0}..: tiles {tiles} visited with nothing allowed")
+
+
+CASES = [
+    # L, S, q_len, kv_len, bottom_right, left, right
+    (300, 300, 300, 300, False, -1, -1),
+    (300, 300, 300, 300, False, -1, 0),  # causal top-left
+    (200, 517, 200, 517, True, -1, 0),  # causal bottom-right, S > L
+    (517, 200, 517, 200, True, -1, 0),  # bottom-right, L > S: leading rows empty
+    (517, 200, 517, 200, False, -1, 0),
+    (333, 333, 333, 333, False, 64, 0),  # sliding window
+    (333, 401, 333, 401, True, 31, 5),
+    (256, 256, 256, 256, False, 0, 0),  # diagonal only
+    (256, 256, 256, 256, False, 5, -1),
+    (300, 280, 123, 201, True, -1, 0),  # per-sequence lengths
+    (300, 280, 123, 201, False, 17, 3),
+    (300, 280, 0, 201, False, -1, -1),  # empty sequence
+    (300, 280, 100, 0, True, -1, 0),  # no keys
+    (1, 1, 1, 1, False, -1, 0),
+    (129, 65, 129, 65, False, -1, -1),  # one past the tile sizes
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(
+    "kind,d", [("float16", 128), ("float16", 256), ("float32", 64), ("float64", 128)]
+)
+def test_schedule_matches_dense_mask(case, kind, d) -> None:
+    cfg = tile_config(kind, d)
+    check_schedule(*case, cfg.block_m, cfg.block_n)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    L=st.integers(1, 300),
+    S=st.integers(0, 300),
+    q_frac=st.floats(0, 1),
+    kv_frac=st.floats(0, 1),
+    bottom_right=st.booleans(),
+    left=st.integers(-1, 90),
+    right=st.integers(-1, 90),
+    tiles=st.sampled_from([(128, 64), (64, 32), (64, 64), (32, 32)]),
+)
+def test_schedule_random(L, S, q_frac, kv_frac, bottom_right, left, right, tiles) -> None:
+    q_len = int(round(q_frac * L))
+    kv_len = int(round(kv_frac * S))
+    check_schedule(L, S, q_len, kv_len, bottom_right, left, right, *tiles)
+
+
+def test_head_dim_bucket() -> None:
+    assert head_dim_bucket(64, 64) == 64
+    assert head_dim_bucket(80, 64) == 96
+    assert head_dim_bucket(1, 130) == 256
+    assert head_dim_bucket(257, 1) is None
+    assert all(head_dim_bucket(d, d) == d for d in HEAD_DIMS)
+
+
+def test_tile_configs_fit_shared_memory() -> None:
+    # H100/H200: 227 KB of dynamic shared memory per block at most.
+    for kind in ("float16", "bfloat16", "float32", "float64"):
+        for d in HEAD_DIMS:
+            cfg = tile_config(kind, d)
+            assert cfg.smem_bytes <= 227 * 1024, (kind, d, cfg)
+            assert cfg.block_m % 16 == 0 and cfg.block_n % 16 == 0
+
+
+def test_kernel_names() -> None:
+    assert (
+        forward_kernel_name("bfloat16", 64, True, False, 2) == "aa_fwd_tc<1, 64, 1, true, false, 2>"
+    )
+    assert forward_kernel_name("float64", 32, False, True, 1) == (
+        "aa_fwd_simt<double, 32, false, true, 1>"
+    )
+    # The heavy variants (dropout, or softcap with a mask) run one row tile per warp.
+    assert forward_kernel_name("float16", 128, False, False, 0) == (
+        "aa_fwd_tc<0, 128, 2, false, false, 0>"
+    )
+    assert forward_kernel_name("float16", 128, False, True, 0).startswith("aa_fwd_tc<0, 128, 1,")
+    with pytest.raises(ValueError, match="kind"):
+        forward_kernel_name("int8", 64, False, False, 0)

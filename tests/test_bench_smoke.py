@@ -1,0 +1,116 @@
+"""Smoke test of the benchmark CLI (``python -m arrayattn.bench``) on tiny shapes.
+
+Timings are never asserted: the test checks that every part of a run (peers, tables,
+memory measurement, results file) works and reports what it measured."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from arrayattn import bench
+
+TINY = "1,2,48,16;1,2,40,16,causal"
+
+
+def test_parse_shapes_reads_causal_and_rejects_bad_entries():
+    shapes = bench.parse_shapes("1,2,48,16; 2,4,8,8,c")
+    assert shapes == [bench.Shape(1, 2, 48, 16), bench.Shape(2, 4, 8, 8, causal=True)]
+    with pytest.raises(Exception, match="B,H,L,D"):
+        bench.parse_shapes("1,2,3")
+
+
+def test_flop_counting_follows_flashattention():
+    s = bench.Shape(2, 3, 5, 7)
+    assert s.flops_forward() == 4 * 2 * 3 * 5 * 5 * 7
+    assert bench.Shape(2, 3, 5, 7, causal=True).flops_forward() == s.flops_forward() / 2
+    assert s.flops_forward_backward() == 3.5 * s.flops_forward()
+
+
+def test_quick_run_prints_a_table_per_shape_and_appends_results(tmp_path, capsys):
+    results = tmp_path / "RESULTS.md"
+    code = bench.main(
+        [
+            "--shapes",
+            TINY,
+            "--repeats",
+            "1",
+            "--quiet",
+            "--peers",
+            "auto,composed,baseline",
+            "--append-results",
+            "--results",
+            str(results),
+            "--note",
+            "smoke",
+        ]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert out.count("| peer | fwd ms") == 2
+    for peer in ("arrayattn auto", "arrayattn composed", "numpy baseline"):
+        assert out.count(f"| {peer} | ") == 2
+    text = results.read_text()
+    assert text.startswith("# arrayattn CPU benchmark results")
+    assert "smoke" in text and "- numpy:" in text and "- blas:" in text
+    assert "B=1 H=2 L=40 D=16, causal" in text
+    # Peak memory is measured (tracemalloc) for the NumPy peers: a number, not "-".
+    row = next(line for line in text.splitlines() if line.startswith("| arrayattn auto |"))
+    assert row.rstrip(" |").split("|")[-1].strip() != "-"
+
+
+def test_torch_peer_is_measured_when_installed(capsys):
+    pytest.importorskip("torch")
+    bench.main(
+        [
+            "--shapes",
+            "1,2,32,16",
+            "--repeats",
+            "1",
+            "--quiet",
+            "--no-memory",
+            "--peers",
+            "auto,torch",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "| torch sdpa | " in out
+    row = next(line for line in out.splitlines() if line.startswith("| arrayattn auto |"))
+    assert row.split("|")[4].strip() not in ("", "-")  # a ratio to torch was computed
+
+
+def test_module_entry_point_runs_quick_mode():
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "arrayattn.bench",
+            "--quick",
+            "--shapes",
+            "1,1,24,8",
+            "--repeats",
+            "1",
+            "--no-memory",
+            "--peers",
+            "auto",
+            "--threads",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "| arrayattn auto | " in done.stdout
+    assert "[1/" in done.stderr  # progress lines (stderr is not a terminal here)
+    assert "- threads (--threads): 1" in done.stdout
+
+
+def test_importing_arrayattn_does_not_import_the_bench_or_torch():
+    code = "import sys, arrayattn; print('arrayattn.bench' in sys.modules, 'torch' in sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.split() == ["False", "False"]
