@@ -207,14 +207,16 @@ def _run_units(
     n = min(n, len(units))
     counter = itertools.count()
     total = len(units)
+    errors = np.geterr()  # np.errstate is per thread: carry the caller's into the workers
 
     def worker() -> None:
-        state = make_state()
-        while True:
-            i = next(counter)  # atomic under the GIL
-            if i >= total:
-                return
-            work(state, units[i])
+        with np.errstate(**errors):
+            state = make_state()
+            while True:
+                i = next(counter)  # atomic under the GIL
+                if i >= total:
+                    return
+                work(state, units[i])
 
     with _BLAS_ONE_THREAD:
         futures = [_pool(num_threads()).submit(worker) for _ in range(n)]
@@ -614,6 +616,7 @@ def backward(
         delta = delta - dl
     delta = delta.astype(cd, copy=False)
 
+    inv_total = _row_totals(spec, lay, lse_f, finite)
     bound = None
     sb = _static_bounds(spec, lay)
     if sb is not None:
@@ -648,6 +651,7 @@ def backward(
     ctx = dict(
         lay=lay,
         lse_safe=lse_safe,
+        inv_total=inv_total,
         a_static=a_static,
         delta=delta,
         do_f=do_f,
@@ -678,6 +682,50 @@ def backward(
     if d_mask_acc is not None:
         d_mask = _reduce(spec, d_mask_acc, spec.mask_shape, attn_mask.dtype)
     return d_query, d_key, d_value, d_mask
+
+
+# Rows whose |LSE| * eps exceeds this are renormalised in the backward (see _row_totals).
+_RENORMALISE_LSE_ERROR = 1e-4
+
+
+def _row_totals(spec, lay, lse_f, finite):
+    """``1 / sum_j exp(S_ij - LSE_i)`` for rows whose LSE is so large that rounding
+    swallowed ``log(rowsum)`` (Hugging Face's ``finfo.min`` bias rows: ``m + log S == m``),
+    else ``None``. ``exp(S - LSE)`` then sums to far more than 1 on those rows; the
+    composed and chunked paths renormalise, and so does this one. Ordinary rows (error
+    ``|LSE| * eps`` below ``_RENORMALISE_LSE_ERROR``) are left alone, so the extra pass
+    over the keys runs only for such rows."""
+    eps = float(np.finfo(lay.cd).eps)
+    need = finite & (np.abs(lse_f) * eps > _RENORMALISE_LSE_ERROR)
+    if not need.any():
+        return None
+    inv = np.ones(need.shape, lay.cd)
+    rows = min(BWD_ROWS, spec.L)
+    width = max(1, min(spec.S, BLOCK_ELEMENTS // rows))
+    st = _FwdState(rows, width, spec.E, spec.Ev, lay.cd)
+    for bi, b in enumerate(lay.lead_index):
+        structure = lay.structs[bi]
+        for h in range(spec.Hq):
+            hk = lay.kv_head(h)
+            for r0, r1 in _spans(0, min(spec.L, lay.q_len[bi]), rows):
+                if not need[b + (h, slice(r0, r1))].any():
+                    continue
+                n = r1 - r0
+                lse_r = lse_f[b + (h, slice(r0, r1))]
+                lse_r = np.where(np.isfinite(lse_r), lse_r, 0.0)
+                q_t = _scaled_query(spec, lay, b, h, r0, r1, st.q[:n])
+                total = np.zeros((n,), lay.cd)
+                c_lo, c_hi = structure.col_range(r0, r1, lay.kv_len[bi])
+                for c0, c1 in _spans(c_lo, c_hi, width):
+                    sc = st.s[:n, : c1 - c0]
+                    _scores(spec, lay, st, structure, b, h, hk, r0, r1, c0, c1, q_t, sc)
+                    np.subtract(sc, lse_r[:, None], out=sc)
+                    np.exp(sc, out=sc)
+                    total += sc.sum(axis=1)
+                fix = need[b + (h, slice(r0, r1))] & (total > 0)
+                view = inv[b + (h, slice(r0, r1))]
+                view[fix] = 1.0 / total[fix]
+    return inv
 
 
 def _broadcast_rows(spec, x, cd, width):
@@ -735,7 +783,12 @@ def _backward_block(spec, ctx, st, structure, bi, b, h, hk, r0, r1, c0, c1, dq, 
         static = (
             float(ctx["bound"][row].max()) <= ctx["limit"] and float(lse_r.min()) >= -ctx["limit"]
         )
-    a = ctx["a_static"][row] if static else None
+    # Row factor on P: exp(-LSE) on the static path, else the renormalisation of rows
+    # whose huge LSE swallowed log(rowsum) (see _row_totals), else none.
+    if static:
+        a = ctx["a_static"][row]
+    else:
+        a = None if ctx["inv_total"] is None else ctx["inv_total"][row]
     k_blk = lay.k[b + (hk, slice(c0, c1))]
     v_blk = lay.v[b + (hk, slice(c0, c1))]
 
@@ -779,7 +832,7 @@ def _backward_block(spec, ctx, st, structure, bi, b, h, hk, r0, r1, c0, c1, dq, 
         do_r = do_f[row]
         # dV += P_drop^T dO: the row factors a_i and 1/(1-p) go on dO's rows.
         doa = st.doa[:n]
-        if static:
+        if a is not None:
             np.multiply(do_r, (a * inv_keep)[:, None], out=doa)
         else:
             np.multiply(do_r, inv_keep, out=doa)
@@ -799,9 +852,9 @@ def _backward_block(spec, ctx, st, structure, bi, b, h, hk, r0, r1, c0, c1, dq, 
         np.negative(np.broadcast_to(delta[:, None], (n, w)), out=tmat)
     np.multiply(tmat, e, out=tmat)  # dS, up to the row factor a_i on the static path
 
-    coef = (a * spec.scale) if static else np.full((n,), spec.scale, cd)
+    coef = (a * spec.scale) if a is not None else np.full((n,), spec.scale, cd)
     if ctx["d_mask_acc"] is not None:
-        g = tmat * a[:, None] if static else tmat.copy()
+        g = tmat * a[:, None] if a is not None else tmat.copy()
         _add_mask_grad(spec, ctx, b, h, r0, r1, c0, c1, g)
     if spec.softcap is not None:
         t = st.t[:n, :w]

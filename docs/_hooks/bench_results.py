@@ -5,7 +5,8 @@ whenever someone measures again. This hook reads them at build time, so the site
 shows the current file without a copy to keep in sync:
 
 * the marker ``<!-- bench-results -->`` in ``performance.md`` is replaced by the file's
-  text, with headings moved down one level (the page keeps its own title);
+  text without its title, headings moved down so its top level is ``###`` (under the
+  page's own ``## Benchmark results``);
 * links and images are resolved relative to ``bench/``: files that exist there (plots,
   CSV) are published with the site under ``bench/...``; anything else (a source file, a
   missing plot) becomes plain text, so a strict build never fails on the results file;
@@ -30,6 +31,7 @@ PUBLISHED_SUFFIXES = {".png", ".svg", ".jpg", ".jpeg", ".gif", ".webp", ".csv", 
 
 _LINK = re.compile(r"(!?)\[([^\]]*)\]\(\s*<?([^)\s>]+)>?(\s+\"[^\"]*\")?\s*\)")
 _FENCE = re.compile(r"^\s*(```|~~~)")
+_HEADING = re.compile(r"^(#{1,6})\s")
 
 
 def _root(config) -> Path:
@@ -60,6 +62,18 @@ def _rewrite_line(line: str, root: Path, published: set[str]) -> str:
     return _LINK.sub(fix, line)
 
 
+def _heading_shift(lines: list[str]) -> int:
+    """How many levels to move headings down so the file's top level becomes ``###``
+    (the results sit under the page's ``## Benchmark results``)."""
+    levels, in_fence = [], False
+    for line in lines:
+        if _FENCE.match(line):
+            in_fence = not in_fence
+        elif not in_fence and (m := _HEADING.match(line)):
+            levels.append(len(m.group(1)))
+    return max(0, 3 - min(levels)) if levels else 0
+
+
 def _results_markdown(root: Path) -> tuple[str, set[str]]:
     source = root / RESULTS
     if not source.is_file():
@@ -74,6 +88,7 @@ def _results_markdown(root: Path) -> tuple[str, set[str]]:
     lines = source.read_text(encoding="utf-8").splitlines()
     if lines and lines[0].startswith("# "):
         lines = lines[1:]  # its title: the page's "Benchmark results" section has one
+    shift = _heading_shift(lines)
     for line in lines:
         if _FENCE.match(line):
             in_fence = not in_fence
@@ -82,8 +97,8 @@ def _results_markdown(root: Path) -> tuple[str, set[str]]:
         if in_fence:
             out.append(line)
             continue
-        if line.startswith("#"):
-            line = "#" + line  # one level down: the page has its own title
+        if _HEADING.match(line):
+            line = "#" * shift + line
         out.append(_rewrite_line(line, root, published))
     text = "\n".join(out)
     header = f"*The text below is `{RESULTS}`, included when the site was built.*\n\n"

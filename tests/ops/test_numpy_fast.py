@@ -510,3 +510,26 @@ def test_concurrent_calls_restore_the_blas_thread_count():
             t.join()
     assert len(results) == 4
     assert blas_threads() == before
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_finfo_min_bias_rows_backward_is_renormalised(dtype):
+    # Hugging Face masks fully masked rows with finfo.min: the saved LSE swallows
+    # log(rowsum), so exp(S - LSE) alone would sum to S on those rows, not 1.
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((1, 2, 9, 4)).astype(dtype)
+    k = rng.standard_normal((1, 2, 23, 4)).astype(dtype)
+    v = rng.standard_normal((1, 2, 23, 4)).astype(dtype)
+    bias = np.zeros((9, 23), dtype=dtype)
+    bias[[0, 4]] = np.finfo(dtype).min
+    with tiles(4, 4 * 5, 4, 5):
+        out, pullback = aa.vjp(
+            aa.scaled_dot_product_attention, q, k, v, bias, implementation="fast"
+        )
+        dq, dk, dv, dbias = pullback(np.ones_like(out))
+    # d_value = P^T @ 1: its column sums are P's row sums, 1 per query row.
+    np.testing.assert_allclose(dv.sum(axis=(0, 2))[:, 0], [9.0, 9.0], rtol=1e-5)
+    np.testing.assert_allclose(out[0, :, 0], v[0].mean(axis=1), rtol=1e-5)
+    want = run("composed", q, k, v, bias, np.ones_like(out), np.zeros((1, 2, 9), dtype))[2]
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), (dq, dk, dv, dbias), want, strict=True):
+        assert_close(name, a, b, TOL[dtype] * 5)
