@@ -12,7 +12,7 @@ from ._attention_spec import AttentionSpec
 from .dropout import dropout_keep
 from .masks import structural_allowed
 
-__all__ = ["forward", "backward", "probabilities", "masked_scores", "dropout_mask"]
+__all__ = ["forward", "backward", "masked_scores", "dropout_mask"]
 
 
 def index_block(
@@ -141,15 +141,6 @@ def _group_lse(spec: AttentionSpec, x: Array) -> Array:
     """User-layout ``(*lead, Hq, L)`` row statistic -> grouped ``(..., G, L, 1)``."""
     shape = spec.lse_shape + (1,)
     return spec.group_rows(spec.xp.reshape(x, shape), shape)
-
-
-def probabilities(spec: AttentionSpec, query: Array, key: Array, attn_mask: Array | None) -> Array:
-    """Attention probabilities after dropout (grouped layout, compute dtype)."""
-    s, _, _, _ = masked_scores(spec, query, key, attn_mask)
-    p, _ = softmax_with_lse(spec, s)
-    if spec.dropout_p > 0:
-        p = apply_dropout(spec, p, *index_block(spec, 0, spec.L, 0, spec.S))
-    return p
 
 
 def apply_dropout(spec: AttentionSpec, p: Array, rows: Array, cols: Array) -> Array:

@@ -300,7 +300,8 @@ def attention_weights(
         >>> w.shape, float(w[0, 0, 0].sum())
         ((1, 1, 3, 5), 1.0)
     """
-    spec = _weights_spec(
+    # One definition of the weights: the vjp rule's forward (its pullback is dropped).
+    weights, _ = _attention_weights_vjp(
         query,
         key,
         attn_mask,
@@ -308,15 +309,14 @@ def attention_weights(
         is_causal,
         scale,
         enable_gqa,
-        causal_align,
-        window,
-        softcap,
-        seed,
-        q_lengths,
-        kv_lengths,
+        causal_align=causal_align,
+        window=window,
+        softcap=softcap,
+        seed=seed,
+        q_lengths=q_lengths,
+        kv_lengths=kv_lengths,
     )
-    p = _composed.probabilities(spec, query, key, attn_mask)
-    return _weights_out(spec, p)
+    return weights
 
 
 def _weights_spec(
