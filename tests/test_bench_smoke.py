@@ -114,3 +114,24 @@ def test_importing_arrayattn_does_not_import_the_bench_or_torch():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert done.stdout.split() == ["False", "False"]
+
+
+def test_cpu_floor_script_reports_floor_fast_path_and_torch():
+    pytest.importorskip("torch")
+    pytest.importorskip("threadpoolctl")
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "cpu_floor.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--shapes", "1,2,64,16;1,1,96,16,c", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert out.count("(float32, one thread)") == 2
+    rows = ("| NumPy floor (BLAS + exp only) | ", "| arrayattn fast path | ", "| torch sdpa | ")
+    for row in rows:
+        assert out.count(row) == 2
+    assert "ns per score element: QK^T" in out and "torch all-in" in out

@@ -106,9 +106,7 @@ def allowed(i: int, j: int, offset: int, left: int, right: int, kv_len: int) -> 
     return j < kv_len and (left < 0 or j >= diag - left) and (right < 0 or j <= diag + right)
 
 
-def key_range(
-    r0: int, r1: int, offset: int, left: int, right: int, kv_len: int
-) -> tuple[int, int]:
+def key_range(r0: int, r1: int, offset: int, left: int, right: int, kv_len: int) -> tuple[int, int]:
     """``aa_key_range``: half-open range of keys rows ``[r0, r1)`` may see."""
     lo, hi = 0, kv_len
     if r1 <= r0:

@@ -437,10 +437,14 @@ def test_auto_uses_fast_on_numpy_and_fast_declines_other_libraries():
 
 
 def test_fast_path_never_allocates_an_l_by_s_buffer():
-    L = S = 1024
+    L = S = 2048
     rng = np.random.default_rng(5)
     q, k, v = (rng.standard_normal((1, 1, L, 16), dtype=np.float32) for _ in range(3))
     d_out = np.ones_like(q)
+    # A first call imports lazily loaded modules (threadpoolctl and what it pulls in),
+    # megabytes that are not buffers; measure a second call.
+    _, pullback = aa.vjp(aa.scaled_dot_product_attention, q, k, v, implementation="fast")
+    pullback(d_out)
     tracemalloc.start()
     try:
         tracemalloc.reset_peak()
@@ -450,7 +454,7 @@ def test_fast_path_never_allocates_an_l_by_s_buffer():
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()
-    assert peak < L * S * 4 / 2, f"peak {peak / 2**20:.1f} MiB looks like an L x S buffer"
+    assert peak < L * S * 4 / 4, f"peak {peak / 2**20:.1f} MiB looks like an L x S buffer"
 
 
 def test_static_and_exact_softmax_paths_agree_on_large_scores():
