@@ -88,8 +88,10 @@ def building_blocks(shape: Shape, repeats: int) -> dict[str, float]:
     t_rows, t_keys = np.empty((b_rows, D), f32), np.empty((b_keys, D), f32)
     n_bwd = b_rows * b_keys
 
+    dp_in = rng.standard_normal((b_rows, b_keys), dtype=f32)
+
     def ds_passes() -> None:
-        np.subtract(dp, delta, out=dp)
+        np.subtract(dp_in, delta, out=dp)
         np.multiply(dp, pb, out=dp)
 
     ns["bwd QK^T"] = per_score(lambda: np.matmul(qb, kb.T, out=dp), n_bwd)

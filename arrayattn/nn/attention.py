@@ -23,7 +23,7 @@ from typing import Any
 
 from .._autodiff import vjp
 from .._backend import Array, device_of, namespace_of, resolve_namespace
-from ..ops.attention import scaled_dot_product_attention
+from ..ops.attention import implementations, scaled_dot_product_attention
 from ..ops.heads import merge_heads, split_heads
 from ..ops.norms import layer_norm, rms_norm
 from ..ops.rope import ROPE_LAYOUTS, apply_rope, rope_frequencies
@@ -71,6 +71,10 @@ class MultiHeadAttention:
             ``training=True``.
         scale: score scale; default ``1 / sqrt(head_dim)``.
         window: ``(left, right)`` sliding window (FlashAttention convention), or ``None``.
+        implementation: the attention implementation every call uses (``"auto"``,
+            ``"composed"``, ``"chunked"``, ``"fast"`` on NumPy, ``"fused"`` on CuPy; see
+            :func:`arrayattn.implementations`), as ``attn_implementation`` in Hugging
+            Face configs.
 
     Shapes: ``x`` ``(..., L, embed_dim)``, ``context`` ``(..., S, context_dim)`` -> output
     ``(..., L, embed_dim)``; with a cache, ``x`` is ``(B, L, embed_dim)``.
@@ -107,6 +111,7 @@ class MultiHeadAttention:
     dropout_p: float = 0.0
     scale: float | None = None
     window: tuple[int, int] | None = None
+    implementation: str = "auto"
 
     def __post_init__(self) -> None:
         _positive_int("embed_dim", self.embed_dim)
@@ -135,6 +140,10 @@ class MultiHeadAttention:
             )
         if not 0.0 <= float(self.dropout_p) < 1.0:
             raise ValueError(f"dropout_p must be in [0, 1), got {self.dropout_p!r}")
+        if self.implementation not in implementations():
+            raise ValueError(
+                f"implementation must be one of {implementations()}, got {self.implementation!r}"
+            )
         if not (math.isfinite(self.norm_eps) and self.norm_eps >= 0):
             raise ValueError(f"norm_eps must be a finite number >= 0, got {self.norm_eps!r}")
 
@@ -393,6 +402,7 @@ class MultiHeadAttention:
             causal_align="bottom_right",
             window=self.window,
             seed=seed if use_dropout else None,
+            implementation=self.implementation,
         )
         om = call("merge", merge_heads, o)
         out = call("o_proj", linear, om, p["o_proj.weight"], p.get("o_proj.bias"))

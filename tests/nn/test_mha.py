@@ -13,6 +13,7 @@ from mha_reference import mha as reference_mha
 import arrayattn as aa
 from arrayattn._backend import device_of
 from arrayattn.nn import KVCache, MultiHeadAttention
+from arrayattn.ops import attention as attention_module
 
 CONFIGS = {
     "mha-bias": dict(embed_dim=12, num_heads=3),
@@ -348,6 +349,8 @@ def test_bad_configurations_and_inputs_name_the_argument():
         MultiHeadAttention(embed_dim=12, num_heads=4, rope="full")
     with pytest.raises(ValueError, match="packed_qkv"):
         MultiHeadAttention(embed_dim=12, num_heads=4, packed_qkv=True, context_dim=5)
+    with pytest.raises(ValueError, match="implementation must be one of .*'flash'"):
+        MultiHeadAttention(embed_dim=12, num_heads=4, implementation="flash")
     mha = MultiHeadAttention(embed_dim=12, num_heads=4)
     p = mha.init(seed=0, xp=np)
     with pytest.raises(ValueError, match="x must have shape"):
@@ -390,3 +393,29 @@ def test_kv_cache_in_any_chunks_equals_full_sequence(kv_heads, rope, qk_norm, pa
         np.testing.assert_allclose(got, full[:, start : start + n], rtol=1e-9, atol=1e-11)
         start += n
     assert cache.length == T
+
+
+@pytest.mark.parametrize("implementation", ["composed", "chunked", "fast"])
+def test_implementation_is_used_and_agrees_with_auto(implementation, monkeypatch):
+    base = dict(embed_dim=16, num_heads=4, num_kv_heads=2, rope="half", causal=True)
+    auto = MultiHeadAttention(**base)
+    chosen = MultiHeadAttention(**base, implementation=implementation)
+    params = perturbed_params(auto, 3)
+    x, _ = inputs(auto, np.random.default_rng(4), B=2, L=7)
+    seen = []
+    real_select = attention_module._select
+
+    def spy(spec, name):
+        seen.append(name)
+        return real_select(spec, name)
+
+    monkeypatch.setattr(attention_module, "_select", spy)
+    y_auto, pb_auto = auto.vjp(params, x)
+    y, pb = chosen.vjp(params, x)
+    assert seen and set(seen) == {"auto", implementation}
+    np.testing.assert_allclose(y, y_auto, rtol=1e-12, atol=1e-12)
+    d_out = np.random.default_rng(5).standard_normal(y.shape)
+    (dx_a, _, dp_a), (dx, _, dp) = pb_auto(d_out), pb(d_out)
+    np.testing.assert_allclose(dx, dx_a, rtol=1e-10, atol=1e-12)
+    for name in dp_a:
+        np.testing.assert_allclose(dp[name], dp_a[name], rtol=1e-10, atol=1e-12, err_msg=name)
