@@ -299,8 +299,13 @@ class MultiHeadAttention:
                 padding mask ``(B, 1, 1, S)``.
             positions: RoPE positions: an int offset (first position), or an int array
                 ``(L,)`` or ``(B, L)``; default ``cache.length`` (or 0) onwards.
-            cache: a :class:`KVCache`; the new keys/values are appended to it and the
-                queries attend to all cached ones (bottom-right causal when ``causal``).
+            cache: a :class:`KVCache`. Self-attention: the new keys/values are appended
+                to it and the queries attend to all cached ones (bottom-right causal when
+                ``causal``). Cross-attention (with ``context``): the cache holds the
+                context's keys/values, as in encoder-decoder decoding; a call with an
+                empty cache projects the context and fills it, later calls reuse it and
+                skip the key/value projections (``context`` must then have the cached
+                length; ``cache.reset()`` before a new context).
             training: apply attention dropout (``dropout_p``).
             seed: dropout seed (drawn when ``None``).
         """
@@ -367,25 +372,35 @@ class MultiHeadAttention:
             k = qkv[..., fq : fq + fkv]
             v = qkv[..., fq + fkv :]
         else:
-            source = x if context is None else context
             q = call("q_proj", linear, x, p["q_proj.weight"], p.get("q_proj.bias"))
+        # A filled cross-attention cache already holds the context's keys and values.
+        reuse_cross = cache is not None and context is not None and cache.length > 0
+        if not self.packed_qkv and not reuse_cross:
+            source = x if context is None else context
             k = call("k_proj", linear, source, p["k_proj.weight"], p.get("k_proj.bias"))
             v = call("v_proj", linear, source, p["v_proj.weight"], p.get("v_proj.bias"))
         qh = call("q_heads", split_heads, q, Hq)
-        kh = call("k_heads", split_heads, k, Hkv)
-        vh = call("v_heads", split_heads, v, Hkv)
+        if not reuse_cross:
+            kh = call("k_heads", split_heads, k, Hkv)
+            vh = call("v_heads", split_heads, v, Hkv)
         if self.qk_norm == "rms":
             qh = call("q_norm", rms_norm, qh, p["q_norm.weight"], self.norm_eps)
-            kh = call("k_norm", rms_norm, kh, p["k_norm.weight"], self.norm_eps)
+            if not reuse_cross:
+                kh = call("k_norm", rms_norm, kh, p["k_norm.weight"], self.norm_eps)
         elif self.qk_norm == "layer":
             qh = call("q_norm", layer_norm, qh, p["q_norm.weight"], p["q_norm.bias"], self.norm_eps)
-            kh = call("k_norm", layer_norm, kh, p["k_norm.weight"], p["k_norm.bias"], self.norm_eps)
+            if not reuse_cross:
+                kh = call(
+                    "k_norm", layer_norm, kh, p["k_norm.weight"], p["k_norm.bias"], self.norm_eps
+                )
         if self.rope is not None:
             offset = 0 if cache is None else cache.length
             freqs = self._rope_freqs(xp, x, positions, offset)
             qh = call("q_rope", apply_rope, qh, freqs, layout=self.rope)
             kh = call("k_rope", apply_rope, kh, freqs, layout=self.rope)
-        if cache is not None:
+        if reuse_cross:
+            kh, vh = cache.filled()
+        elif cache is not None:
             kh, vh = cache.append(kh, vh)
         use_dropout = training and self.dropout_p > 0
         o = call(
@@ -475,8 +490,12 @@ class MultiHeadAttention:
         if cache is not None:
             if not isinstance(cache, KVCache):
                 raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}")
-            if context is not None:
-                raise ValueError("cache is for self-attention; got a context as well")
+            if context is not None and cache.length and context.shape[-2] != cache.length:
+                raise ValueError(
+                    f"cache holds the keys/values of a context of length {cache.length}, got "
+                    f"a context of length {context.shape[-2]}; call cache.reset() before "
+                    f"attending to a new context"
+                )
             if x.ndim != 3:
                 raise ValueError(f"with a cache, x must be (B, L, embed_dim), got {x.shape}")
 

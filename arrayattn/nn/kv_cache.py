@@ -92,6 +92,12 @@ class KVCache:
         """True when appends write into the buffers (the library's arrays are writable)."""
         return bool(array_api_compat.is_writeable_array(self.keys))
 
+    def filled(self) -> tuple[Array, Array]:
+        """The cached keys and values: prefixes ``(B, Hkv, length, D)`` and
+        ``(B, Hkv, length, Dv)`` of the buffers (views where the library has them)."""
+        n = self.length
+        return self.keys[:, :, :n, :], self.values[:, :, :n, :]
+
     def reset(self) -> None:
         """Forget the cached tokens (buffers are kept and overwritten later)."""
         self.length = 0

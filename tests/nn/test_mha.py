@@ -286,6 +286,43 @@ def test_kv_cache_in_place_and_functional_fallback(monkeypatch):
         mha(p, np.zeros((1, 3, 16)), cache=cache)
 
 
+@pytest.mark.parametrize("qk_norm", [None, "rms", "layer"])
+def test_cross_attention_cache_is_filled_once_and_reused(backend, qk_norm, monkeypatch):
+    # Encoder-decoder decoding: the context's keys/values are projected on the first
+    # call and reused by every later step; each step equals the uncached call.
+    mha = MultiHeadAttention(**{**CROSS, "qk_norm": qk_norm})
+    rng = np.random.default_rng(21)
+    x, ctx = inputs(mha, rng, B=2, L=4, S=6)
+    p = perturbed_params(mha, 9)
+    mask = padding_mask(2, 6, rng)
+    full = mha(p, x, ctx, attn_mask=mask)
+    pb, ctx_b, mask_b = to_backend(backend, p), backend.asarray(ctx), backend.asarray(mask)
+    cache = mha.new_cache(2, 6, xp=backend.xp, device=backend.device, dtype=backend.xp.float64)
+    projected = []
+    real_linear = aa.nn.attention.linear
+
+    def counting_linear(inp, weight, bias=None):
+        projected.append(int(inp.shape[-1]))
+        return real_linear(inp, weight, bias)
+
+    monkeypatch.setattr(aa.nn.attention, "linear", counting_linear)
+    for t in range(4):
+        step = mha(pb, backend.asarray(x[:, t : t + 1]), ctx_b, attn_mask=mask_b, cache=cache)
+        assert cache.length == 6
+        np.testing.assert_allclose(
+            backend.to_numpy(step), full[:, t : t + 1], rtol=1e-10, atol=1e-12
+        )
+    # Context projections (input width context_dim=7) ran on the first call only.
+    assert projected.count(mha.kv_input_dim) == 2
+    with pytest.raises(ValueError, match="cache.reset"):
+        mha(pb, backend.asarray(x[:, :1]), backend.asarray(ctx[:, :5]), cache=cache)
+    cache.reset()
+    out = mha(pb, backend.asarray(x[:, :1]), backend.asarray(ctx[:, :5]), cache=cache)
+    np.testing.assert_allclose(
+        backend.to_numpy(out), mha(p, x[:, :1], ctx[:, :5]), rtol=1e-10, atol=1e-12
+    )
+
+
 def test_kv_cache_with_padding_mask_over_prefix():
     mha = MultiHeadAttention(**CONFIGS["gqa-causal"])
     rng = np.random.default_rng(16)
