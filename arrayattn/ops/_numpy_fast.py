@@ -358,14 +358,29 @@ def _spans(start: int, stop: int, step: int) -> list[tuple[int, int]]:
 # ---------------------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------------------
+class _Scratch:
+    """A ``rows x keys`` scratch buffer whose ``[:n, :w]`` blocks are contiguous (the
+    first ``n * w`` elements), so that ufuncs over a block narrower than the buffer run
+    as one loop rather than one short loop per row (causal edges and last key blocks:
+    a strided 256 x 256 block cost ~30% more per element in ``exp``)."""
+
+    def __init__(self, rows: int, keys: int, dtype: Any):
+        self._flat = np.empty(rows * keys, dtype)
+
+    def __getitem__(self, index: tuple[slice, slice]) -> np.ndarray:
+        rows, keys = index
+        assert rows.start is None and keys.start is None and rows.stop is not None
+        return self._flat[: rows.stop * keys.stop].reshape(rows.stop, keys.stop)
+
+
 class _FwdState:
     def __init__(self, rows: int, keys: int, E: int, Ev: int, cd: np.dtype):
-        self.s = np.empty((rows, keys), cd)
+        self.s = _Scratch(rows, keys, cd)
         self.q = np.empty((rows, E), cd)
         self.acc_tmp = np.empty((rows, Ev), cd)
         self.l_tmp = np.empty((rows,), cd)
         self.ones = np.ones((keys,), cd)
-        self.bool = np.empty((rows, keys), np.bool_)
+        self.bool = _Scratch(rows, keys, np.bool_)
 
 
 def forward(
@@ -560,11 +575,11 @@ def _forward_rows(spec, lay, st, bi, h, r0, r1, c_lo, c_hi, width, out_t, lse_t,
 # ---------------------------------------------------------------------------------------
 class _BwdState:
     def __init__(self, rows: int, keys: int, E: int, Ev: int, cd: np.dtype, spec):
-        self.e = np.empty((rows, keys), cd)
-        self.dp = np.empty((rows, keys), cd)
-        self.t = np.empty((rows, keys), cd) if spec.softcap is not None else None
-        self.ed = np.empty((rows, keys), cd) if spec.dropout_p > 0 else None
-        self.bool = np.empty((rows, keys), np.bool_)
+        self.e = _Scratch(rows, keys, cd)
+        self.dp = _Scratch(rows, keys, cd)
+        self.t = _Scratch(rows, keys, cd) if spec.softcap is not None else None
+        self.ed = _Scratch(rows, keys, cd) if spec.dropout_p > 0 else None
+        self.bool = _Scratch(rows, keys, np.bool_)
         self.q = np.empty((rows, E), cd)
         self.qa = np.empty((rows, E), cd)
         self.do = np.empty((rows, Ev), cd)
