@@ -127,6 +127,10 @@ def _make(name: str) -> Backend:
         import jax.numpy as xp
 
         return Backend(name, xp, jax.devices()[0])
+    if name == "dask":
+        import array_api_compat.dask.array as xp
+
+        return Backend(name, xp, "cpu")
     if name == "cupy":
         import array_api_compat.cupy as xp
         import cupy
@@ -137,7 +141,15 @@ def _make(name: str) -> Backend:
     raise ValueError(f"unknown backend {name!r}")
 
 
-BACKENDS = ("numpy", "array_api_strict", "array_api_strict_device1", "torch", "jax", "cupy")
+BACKENDS = (
+    "numpy",
+    "array_api_strict",
+    "array_api_strict_device1",
+    "torch",
+    "jax",
+    "dask",
+    "cupy",
+)
 
 
 def _selected() -> list[str]:
