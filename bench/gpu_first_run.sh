@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The first GPU session's checks in one command: GPU correctness tests of the fused
+# forward/backward kernels, then the GPU benchmark, with every output saved under $OUT
+# (or ./gpu-run when OUT is unset).
+#
+# The lent GPU machines have CuPy, PyTorch, pytest and hypothesis but not
+# array-api-compat; carry it as a wheel. From the repository root, once:
+#
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux2014_x86_64 -d .whl array-api-compat==1.16.0
+#
+# then run `bash bench/gpu_first_run.sh` there with `.whl` carried. Stages are
+# independent: a failing test stage does not stop the benchmark (its table checks every
+# result against PyTorch's output anyway). QUICK=1 runs a reduced benchmark grid.
+set -u
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-run}
+mkdir -p "$out"
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+python3 -c "import array_api_compat, cupy" || {
+  echo "array-api-compat or CuPy is missing (see the header of this script)"; exit 1; }
+
+run() {  # run NAME COMMAND...: tee the output into $out/NAME.txt, report the status
+  local name=$1
+  shift
+  echo "== $name: $*"
+  "$@" 2>&1 | tee "$out/$name.txt"
+  echo "== $name: exit ${PIPESTATUS[0]}" | tee -a "$out/status.txt"
+}
+
+run device nvidia-smi
+run versions python3 -c "import cupy, torch, numpy, array_api_compat as c; \
+print('cupy', cupy.__version__, 'torch', torch.__version__, 'numpy', numpy.__version__, \
+'array-api-compat', c.__version__, cupy.cuda.runtime.getDeviceProperties(0)['name'])"
+run forward_tests python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_fused_gpu.py
+run backward_tests python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_backward_gpu.py
+run cupy_backend_tests env ARRAYATTN_BACKENDS=cupy python3 -m pytest -q -p no:cacheprovider \
+  tests/ops tests/nn --maxfail=5
+if [ "${QUICK:-0}" = 1 ]; then
+  run bench python3 bench/gpu_bench.py --dtypes float16 --head-dims 128 \
+    --lengths 2048,8192 --backward --no-composed
+else
+  run bench python3 bench/gpu_bench.py --backward
+fi
+cp bench/RESULTS.md "$out/RESULTS.md"
+cat "$out/status.txt"
