@@ -373,35 +373,26 @@ class MultiHeadAttention:
             v = qkv[..., fq + fkv :]
         else:
             q = call("q_proj", linear, x, p["q_proj.weight"], p.get("q_proj.bias"))
-        # A filled cross-attention cache already holds the context's keys and values.
-        reuse_cross = cache is not None and context is not None and cache.length > 0
-        if not self.packed_qkv and not reuse_cross:
-            source = x if context is None else context
-            k = call("k_proj", linear, source, p["k_proj.weight"], p.get("k_proj.bias"))
-            v = call("v_proj", linear, source, p["v_proj.weight"], p.get("v_proj.bias"))
-        qh = call("q_heads", split_heads, q, Hq)
-        if not reuse_cross:
-            kh = call("k_heads", split_heads, k, Hkv)
-            vh = call("v_heads", split_heads, v, Hkv)
-        if self.qk_norm == "rms":
-            qh = call("q_norm", rms_norm, qh, p["q_norm.weight"], self.norm_eps)
-            if not reuse_cross:
-                kh = call("k_norm", rms_norm, kh, p["k_norm.weight"], self.norm_eps)
-        elif self.qk_norm == "layer":
-            qh = call("q_norm", layer_norm, qh, p["q_norm.weight"], p["q_norm.bias"], self.norm_eps)
-            if not reuse_cross:
-                kh = call(
-                    "k_norm", layer_norm, kh, p["k_norm.weight"], p["k_norm.bias"], self.norm_eps
-                )
+        qh = self._norm_heads(call, "q", call("q_heads", split_heads, q, Hq), p)
+        freqs = None
         if self.rope is not None:
             offset = 0 if cache is None else cache.length
             freqs = self._rope_freqs(xp, x, positions, offset)
             qh = call("q_rope", apply_rope, qh, freqs, layout=self.rope)
-            kh = call("k_rope", apply_rope, kh, freqs, layout=self.rope)
-        if reuse_cross:
+        if cache is not None and context is not None and cache.length > 0:
+            # A filled cross-attention cache already holds the context's keys and values.
             kh, vh = cache.filled()
-        elif cache is not None:
-            kh, vh = cache.append(kh, vh)
+        else:
+            if not self.packed_qkv:
+                source = x if context is None else context
+                k = call("k_proj", linear, source, p["k_proj.weight"], p.get("k_proj.bias"))
+                v = call("v_proj", linear, source, p["v_proj.weight"], p.get("v_proj.bias"))
+            kh = self._norm_heads(call, "k", call("k_heads", split_heads, k, Hkv), p)
+            vh = call("v_heads", split_heads, v, Hkv)
+            if freqs is not None:
+                kh = call("k_rope", apply_rope, kh, freqs, layout=self.rope)
+            if cache is not None:
+                kh, vh = cache.append(kh, vh)
         use_dropout = training and self.dropout_p > 0
         o = call(
             "attention",
@@ -469,6 +460,17 @@ class MultiHeadAttention:
         return d_x + d_source, None, grads
 
     # -- helpers ----------------------------------------------------------------------
+    def _norm_heads(
+        self, call: Callable[..., Any], which: str, h: Array, p: Mapping[str, Array]
+    ) -> Array:
+        """The qk-norm of query (``which="q"``) or key heads; ``h`` itself without one."""
+        name = f"{which}_norm"
+        if self.qk_norm == "rms":
+            return call(name, rms_norm, h, p[f"{name}.weight"], self.norm_eps)
+        if self.qk_norm == "layer":
+            return call(name, layer_norm, h, p[f"{name}.weight"], p[f"{name}.bias"], self.norm_eps)
+        return h
+
     def _check_inputs(self, x: Array, context: Array | None, cache: KVCache | None) -> None:
         if x.ndim < 2 or x.shape[-1] != self.embed_dim:
             raise ValueError(

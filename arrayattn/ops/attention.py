@@ -244,23 +244,33 @@ def _sdpa_vjp(
     out, lse = impl.forward(spec, query, key, value, attn_mask)
 
     def pullback(cotangent: Any) -> tuple[Any, ...]:
-        if return_lse:
-            if not isinstance(cotangent, (tuple, list)) or len(cotangent) != 2:
-                raise TypeError(
-                    "cotangent must be a pair (d_out, d_lse) when return_lse=True, got "
-                    f"{type(cotangent).__name__}"
-                )
-            d_out, d_lse = cotangent
-        else:
-            d_out, d_lse = cotangent, None
-        _check_cotangent("d_out", d_out, spec.out_shape)
-        _check_cotangent("d_lse", d_lse, spec.lse_shape)
+        d_out, d_lse = split_cotangent(cotangent, return_lse, spec.out_shape, spec.lse_shape)
         dq, dk, dv, dmask = impl.backward(
             spec, query, key, value, attn_mask, out, lse, d_out, d_lse
         )
         return dq, dk, dv, dmask
 
     return ((out, lse) if return_lse else out), pullback
+
+
+def split_cotangent(
+    cotangent: Any, return_lse: bool, out_shape: tuple[int, ...], lse_shape: tuple[int, ...]
+) -> tuple[Array | None, Array | None]:
+    """``(d_out, d_lse)`` from the cotangent given to an attention pullback: the pair
+    itself when the forward returned ``(out, lse)`` (``return_lse``), else ``d_out``
+    alone; each part that is not ``None`` must have its output's shape."""
+    if return_lse:
+        if not isinstance(cotangent, (tuple, list)) or len(cotangent) != 2:
+            raise TypeError(
+                "cotangent must be a pair (d_out, d_lse) when return_lse=True, got "
+                f"{type(cotangent).__name__}"
+            )
+        d_out, d_lse = cotangent
+    else:
+        d_out, d_lse = cotangent, None
+    _check_cotangent("d_out", d_out, out_shape)
+    _check_cotangent("d_lse", d_lse, lse_shape)
+    return d_out, d_lse
 
 
 def _check_cotangent(name: str, x: Array | None, shape: tuple[int, ...]) -> None:

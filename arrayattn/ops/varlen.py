@@ -23,7 +23,7 @@ from typing import Any
 from .._autodiff import register_vjp, vjp
 from .._backend import Array, Namespace, device_of, lse_dtype, namespace_of
 from ._attention_spec import make_spec
-from .attention import implementations, scaled_dot_product_attention
+from .attention import implementations, scaled_dot_product_attention, split_cotangent
 
 __all__ = ["varlen_attention"]
 
@@ -331,20 +331,7 @@ def _varlen_vjp(
     xp = namespace_of(query=query)
 
     def pullback(cotangent: Any) -> tuple[Any, ...]:
-        if return_lse:
-            if not isinstance(cotangent, (tuple, list)) or len(cotangent) != 2:
-                raise TypeError(
-                    "cotangent must be a pair (d_out, d_lse) when return_lse=True, got "
-                    f"{type(cotangent).__name__}"
-                )
-            d_out, d_lse = cotangent
-        else:
-            d_out, d_lse = cotangent, None
-        for name, x, ref in (("d_out", d_out, out), ("d_lse", d_lse, lse)):
-            if x is not None and tuple(x.shape) != tuple(ref.shape):
-                raise ValueError(
-                    f"cotangent {name} has shape {tuple(x.shape)}, expected {tuple(ref.shape)}"
-                )
+        d_out, d_lse = split_cotangent(cotangent, return_lse, tuple(out.shape), tuple(lse.shape))
         if pad_pullback is None:
             zeros = tuple(
                 xp.zeros(tuple(x.shape), dtype=x.dtype, device=device_of(x))
