@@ -30,14 +30,20 @@ from pathlib import Path
 from typing import Any
 
 try:
-    import arrayattn as aa
+    import arrayattn  # noqa: F401
 except ImportError:  # running from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import arrayattn as aa
 
 import numpy as np
 
-from arrayattn.bench import DEFAULT_SHAPES, Shape, parse_shapes
+from arrayattn.bench import (
+    DEFAULT_SHAPES,
+    Shape,
+    _arrayattn_peer,
+    _inputs,
+    _torch_peer,
+    parse_shapes,
+)
 from arrayattn.ops import _numpy_fast
 
 
@@ -112,42 +118,16 @@ def visited_scores(shape: Shape) -> float:
 
 
 def measure(shape: Shape, repeats: int) -> dict[str, Any]:
-    import torch
-
     ns = building_blocks(shape, repeats)
     fwd_ns = ns["QK^T"] + ns["exp"] + ns["PV"]
     bwd_keys = ("bwd QK^T", "bwd exp", "dO V^T", "dS passes", "P^T dO", "dS^T Q", "dS K")
     bwd_ns = sum(ns[key] for key in bwd_keys)
     n = visited_scores(shape)
 
-    rng = np.random.default_rng(1)
-    dims = (shape.B, shape.H, shape.L, shape.D)
-    q, k, v, d_out = (rng.standard_normal(dims, dtype=np.float32) for _ in range(4))
-    tq, tk, tv, tdo = (torch.from_numpy(x) for x in (q, k, v, d_out))
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    gq, gk, gv = (x.clone().requires_grad_(True) for x in (tq, tk, tv))
-
-    def torch_fwd() -> None:
-        with torch.no_grad():
-            sdpa(tq, tk, tv, is_causal=shape.causal)
-
-    def torch_fb() -> None:
-        sdpa(gq, gk, gv, is_causal=shape.causal).backward(tdo)
-        gq.grad = gk.grad = gv.grad = None
-
-    def fast_fwd() -> None:
-        aa.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, implementation="fast")
-
-    def fast_fb() -> None:
-        out, pullback = aa.vjp(
-            aa.scaled_dot_product_attention,
-            q,
-            k,
-            v,
-            is_causal=shape.causal,
-            implementation="fast",
-        )
-        pullback(d_out)
+    # The same inputs and callables as the main benchmark's fast-path and torch peers.
+    data = _inputs(shape, np.float32, seed=1)
+    torch_fwd, torch_fb = _torch_peer().setup(shape, data)
+    fast_fwd, fast_fb = _arrayattn_peer("fast").setup(shape, data)
 
     times = {}
     for name, fn in (

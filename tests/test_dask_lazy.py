@@ -32,17 +32,6 @@ def _chunked(a: np.ndarray) -> Any:
     return da.from_array(a, chunks=tuple(max(1, (n + 1) // 2) for n in a.shape))
 
 
-def _compute(tree: Any) -> Any:
-    if isinstance(tree, tuple | list):
-        return type(tree)(_compute(t) for t in tree)
-    if isinstance(tree, dict):
-        return {k: _compute(v) for k, v in tree.items()}
-    if tree is None:
-        return None
-    assert isinstance(tree, da.Array), f"expected a Dask array, got {type(tree).__name__}"
-    return np.asarray(tree.compute())
-
-
 rng = np.random.default_rng(7)
 Q = rng.standard_normal((2, 4, 12, 8))
 K = rng.standard_normal((2, 2, 10, 8))
@@ -143,19 +132,18 @@ def test_op_is_lazy_on_chunked_dask_arrays_and_equals_numpy(name):
     fn, arrays = CASES[name]
     with dask.config.set(scheduler=_no_compute):
         lazy = fn(*(_chunked(a) for a in arrays))
-    got = _compute(lazy)
-    want = fn(*arrays)  # the same call on NumPy
-    flat_got, flat_want = _flatten(got), _flatten(want)
-    assert len(flat_got) == len(flat_want)
-    for g, w in zip(flat_got, flat_want, strict=True):
+    got, want = _leaves(lazy), _leaves(fn(*arrays))  # the same call on NumPy
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert isinstance(g, da.Array), f"expected a Dask array, got {type(g).__name__}"
+        g = np.asarray(g.compute())
         np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
 
 
-def _flatten(tree: Any) -> list[np.ndarray]:
+def _leaves(tree: Any) -> list[Any]:
+    """The arrays of a nested result (tuples, lists, dicts by key; ``None`` dropped)."""
     if isinstance(tree, tuple | list):
-        return [a for t in tree for a in _flatten(t)]
+        return [a for t in tree for a in _leaves(t)]
     if isinstance(tree, dict):
-        return [a for k in sorted(tree) for a in _flatten(tree[k])]
-    if tree is None:
-        return []
-    return [np.asarray(tree)]
+        return [a for k in sorted(tree) for a in _leaves(tree[k])]
+    return [] if tree is None else [tree]
