@@ -31,7 +31,14 @@ def register_vjp(op: Callable[..., Any]) -> Callable[[Rule], Rule]:
 
 
 def differentiable_ops() -> tuple[Callable[..., Any], ...]:
-    """The public ops that :func:`vjp` can differentiate."""
+    """The public ops that :func:`vjp` can differentiate.
+
+    Example::
+
+        >>> import arrayattn as aa
+        >>> aa.scaled_dot_product_attention in aa.differentiable_ops()
+        True
+    """
     return tuple(_RULES)
 
 

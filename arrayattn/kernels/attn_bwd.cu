@@ -283,9 +283,17 @@ AA_BWD_DEV void aa_bwd_tile_simt(const Acc* sQ, const Acc* sK, const Acc* sV, co
     }
 }
 
+// Dynamic shared memory of the CUDA-core backward kernels (the layout backward.py sizes),
+// for their launch bounds' minimum blocks per SM.
+template <typename Acc, int HD, int BN, int BM>
+struct AaBwdSimtSmem {
+    static constexpr int value =
+        (2 * BN * (HD + 1) + 2 * BM * (HD + 1) + 2 * BM * (BN + 1) + 2 * BM) * (int)sizeof(Acc);
+};
+
 // dK, dV (and dQ by atomics unless dq_acc is null) for one key block.
 template <typename T, typename Acc, int HD, int BN, int BM, int NT>
-__global__ void __launch_bounds__(NT)
+__global__ void __launch_bounds__(NT, AaMinBlocks<AaBwdSimtSmem<Acc, HD, BN, BM>::value, NT>::value)
 aa_bwd_dkdv_simt(AA_BWD_ARGS(typename AaIO<T>::type, Acc), typename AaIO<T>::type* __restrict__ dk,
                  typename AaIO<T>::type* __restrict__ dv,
                  Acc* __restrict__ dq_acc) {
@@ -383,7 +391,7 @@ aa_bwd_dkdv_simt(AA_BWD_ARGS(typename AaIO<T>::type, Acc), typename AaIO<T>::typ
 
 // Deterministic dQ: one block per (query block, query head, batch), key blocks in order.
 template <typename T, typename Acc, int HD, int BN, int BM, int NT>
-__global__ void __launch_bounds__(NT)
+__global__ void __launch_bounds__(NT, AaMinBlocks<AaBwdSimtSmem<Acc, HD, BN, BM>::value, NT>::value)
 aa_bwd_dq_simt(AA_BWD_ARGS(typename AaIO<T>::type, Acc), typename AaIO<T>::type* __restrict__ dq) {
     constexpr int LD = HD + 1;
     constexpr int LDP = BN + 1;

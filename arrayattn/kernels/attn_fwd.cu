@@ -524,6 +524,7 @@ struct AaSimtCfg {
     static constexpr int QP = BM + 4;  // Q^T and P^T pitch: 16-byte aligned row groups
     static constexpr int KP = D + 1;   // K pitch: conflict-free column reads
     static constexpr int SMEM = (D * QP + 2 * BN * KP + 2 * BN * D + BN * QP) * (int)sizeof(T);
+    static constexpr int MIN_BLOCKS = AaMinBlocks<SMEM, NT>::value;
 };
 
 // RM consecutive values from 16-byte aligned shared memory.
@@ -545,7 +546,8 @@ AA_DEV void aa_load_run(const T* p, T (&out)[RM]) {
 }
 
 template <typename T, int D, bool SOFTCAP, bool DROPOUT, int MASK>
-__global__ void __launch_bounds__(128) aa_fwd_simt(AA_FWD_ARGS(T, T)) {
+__global__ void __launch_bounds__(AaSimtCfg<T, D>::NT, AaSimtCfg<T, D>::MIN_BLOCKS)
+    aa_fwd_simt(AA_FWD_ARGS(T, T)) {
     using C = AaSimtCfg<T, D>;
     constexpr int BM = C::BM, BN = C::BN, NT = C::NT, RM = C::RM, CN = C::CN, VC = C::VC;
     constexpr int QP = C::QP, KP = C::KP;

@@ -53,6 +53,20 @@ typedef unsigned int aa_u32;
 #define AA_LOG2E 1.4426950408889634
 #define AA_LN2 0.6931471805599453
 
+// Minimum blocks per SM for __launch_bounds__ of a kernel with NT threads and SMEM bytes of
+// dynamic shared memory: as many as shared memory lets reside on sm_90 (228 KB per SM,
+// 1 KB reserved per block), but never so many that a thread gets under 128 registers.
+// Without it ptxas picks its own register target, which held some CUDA-core kernels to
+// 128 or 168 registers and made them spill while shared memory capped occupancy anyway.
+// (A class template, not a constexpr function: NVRTC rejects unannotated host functions.)
+template <int SMEM, int NT>
+struct AaMinBlocks {
+    static constexpr int by_smem = (228 * 1024) / (SMEM + 1024);
+    static constexpr int by_regs = 65536 / (NT * 128);
+    static constexpr int n = by_smem < by_regs ? by_smem : by_regs;
+    static constexpr int value = n < 1 ? 1 : n;
+};
+
 // ---------------------------------------------------------------------------------------
 // Dropout hash: a 32-bit Feistel permutation on two 16-bit halves (ops/dropout.py).
 // All intermediates stay below 2**31, exactly as in the int32 array-API version.

@@ -200,10 +200,11 @@ class FusedAttention:
 
     Example (needs CuPy and a GPU)::
 
-        >>> import cupy as cp, arrayattn as aa                      # doctest: +SKIP
-        >>> q = cp.random.standard_normal((2, 8, 1000, 128)).astype(cp.float16)
-        >>> out = aa.scaled_dot_product_attention(q, q, q, is_causal=True,
-        ...                                       implementation="fused")
+        >>> import cupy as cp, arrayattn as aa  # doctest: +SKIP
+        >>> q = cp.random.standard_normal((2, 8, 1000, 128)).astype(cp.float16)  # doctest: +SKIP
+        >>> out = aa.scaled_dot_product_attention(  # doctest: +SKIP
+        ...     q, q, q, is_causal=True, implementation="fused"
+        ... )
     """
 
     def forward(

@@ -80,7 +80,15 @@ def register_implementation(
 
 
 def implementations() -> tuple[str, ...]:
-    """Names accepted by ``implementation=``."""
+    """Names accepted by ``implementation=``: ``"auto"`` and every registered path
+    (``"fused"`` is among them when CuPy is installed).
+
+    Example::
+
+        >>> import arrayattn as aa
+        >>> {"auto", "composed", "chunked"} <= set(aa.implementations())
+        True
+    """
     return ("auto",) + tuple(_REGISTRY)
 
 

@@ -79,17 +79,25 @@ def _source(names: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def build(names: list[str], work: Path) -> ctypes.CDLL:
-    """Compile the emulator library for the instantiations ``names`` (cached by content)."""
-    kernels = resources.files("arrayattn.kernels")
+def compile_library(
+    names: list[str],
+    work: Path,
+    flags: tuple[str, ...] = ("-O1",),
+    kernels_dir: Path | None = None,
+) -> Path:
+    """Compile the emulator library for the instantiations ``names`` with ``flags``
+    (optimisation, sanitizers); cached in ``work`` by content and flags. ``kernels_dir``
+    replaces the package's kernel sources (a mutated copy)."""
+    kernels = kernels_dir or Path(str(resources.files("arrayattn.kernels")))
     inc = cuda_include()
     text = _source(names)
     digest = hashlib.sha256(
         (
-            text
+            " ".join(flags)
+            + text
             + (HERE / "backward_emulator.h").read_text()
-            + kernels.joinpath("attn_bwd.cu").read_text()
-            + kernels.joinpath("common.cuh").read_text()
+            + (kernels / "attn_bwd.cu").read_text()
+            + (kernels / "common.cuh").read_text()
         ).encode()
     ).hexdigest()[:16]
     lib = work / f"aa_bwd_emu_{digest}.so"
@@ -99,7 +107,7 @@ def build(names: list[str], work: Path) -> ctypes.CDLL:
         cmd = [
             compiler() or "g++",
             "-std=c++20",
-            "-O1",
+            *flags,
             "-pthread",
             "-shared",
             "-fPIC",
@@ -114,6 +122,11 @@ def build(names: list[str], work: Path) -> ctypes.CDLL:
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"emulator build failed:\n{res.stderr[-6000:]}")
+    return lib
+
+
+def load(lib: Path) -> ctypes.CDLL:
+    """Load a library :func:`compile_library` built."""
     dll = ctypes.CDLL(str(lib))
     dll.aa_emu_run.restype = ctypes.c_int
     dll.aa_emu_run.argtypes = [
@@ -126,6 +139,11 @@ def build(names: list[str], work: Path) -> ctypes.CDLL:
         ctypes.POINTER(ctypes.c_void_p),
     ]
     return dll
+
+
+def build(names: list[str], work: Path) -> ctypes.CDLL:
+    """Compile (cached) and load the emulator library for the instantiations ``names``."""
+    return load(compile_library(names, work))
 
 
 _SCALARS = {

@@ -10,6 +10,8 @@
 // accumulation are computed in higher precision here).
 #pragma once
 
+#include "emulator_barrier.h"
+
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <vector_types.h>
@@ -17,7 +19,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -51,7 +52,7 @@ struct AaEmuDim3 {
 inline thread_local AaEmuDim3 threadIdx, blockIdx, blockDim, gridDim;
 
 struct AaEmuWarp {
-    std::barrier<> bar{32};
+    AaEmuBarrier bar{32};
     const void* addr[32];
     uint32_t a[32][4];
     uint32_t b[32][2];
@@ -59,7 +60,7 @@ struct AaEmuWarp {
 };
 
 struct AaEmuBlock {
-    std::unique_ptr<std::barrier<>> bar;
+    std::unique_ptr<AaEmuBarrier> bar;
     std::vector<unsigned char> smem;
     std::vector<std::unique_ptr<AaEmuWarp>> warps;
 };
@@ -83,8 +84,12 @@ inline V __shfl_xor_sync(unsigned, V v, int mask) {
     return r;
 }
 
-inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
-inline double atomicAdd(double* p, double v) { return std::atomic_ref<double>(*p).fetch_add(v); }
+inline float atomicAdd(float* p, float v) {
+    return std::atomic_ref<float>(*p).fetch_add(v, std::memory_order_relaxed);
+}
+inline double atomicAdd(double* p, double v) {
+    return std::atomic_ref<double>(*p).fetch_add(v, std::memory_order_relaxed);
+}
 
 inline float __int_as_float(int x) {
     float f;
@@ -220,7 +225,7 @@ void aa_emu_launch(AaEmuDim3 grid, int nthreads, size_t smem_bytes, F call) {
         for (unsigned y = 0; y < grid.y; ++y)
             for (unsigned x = 0; x < grid.x; ++x) {
                 AaEmuBlock blk;
-                blk.bar = std::make_unique<std::barrier<>>(nthreads);
+                blk.bar = std::make_unique<AaEmuBarrier>(nthreads);
                 blk.smem.assign(smem_bytes + 16, 0xFF);
                 for (int w = 0; w < (nthreads + 31) / 32; ++w)
                     blk.warps.push_back(std::make_unique<AaEmuWarp>());

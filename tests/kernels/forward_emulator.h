@@ -12,8 +12,9 @@
 // AA_EMU_EAGER=1 copies land at issue instead (write-after-read hazards).
 #pragma once
 
+#include "emulator_barrier.h"
+
 #include <algorithm>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -75,7 +76,7 @@ inline float __int_as_float(int x) {
 
 // ---- blocks, warps, shared memory ----------------------------------------------------
 struct AaWarp {
-    std::barrier<> bar{32};
+    AaEmuBarrier bar{32};
     const unsigned char* addr[32];
     aa_u32 a[32][4];
     aa_u32 b[32][2];
@@ -89,7 +90,7 @@ struct AaCopy {
 };
 
 struct AaBlock {
-    std::unique_ptr<std::barrier<>> bar;
+    std::unique_ptr<AaEmuBarrier> bar;
     std::vector<std::unique_ptr<AaWarp>> warps;
 };
 
@@ -263,7 +264,7 @@ inline void aa_emu_launch(AaDim3 grid, int nthreads, size_t smem_bytes,
             for (unsigned x = 0; x < grid.x; ++x) {
                 std::fill(aa_emu_smem_buf.begin(), aa_emu_smem_buf.end(), 0xFF);
                 AaBlock blk;
-                blk.bar = std::make_unique<std::barrier<>>(nthreads);
+                blk.bar = std::make_unique<AaEmuBarrier>(nthreads);
                 for (int w = 0; w < (nthreads + 31) / 32; ++w)
                     blk.warps.push_back(std::make_unique<AaWarp>());
                 std::vector<std::thread> threads;

@@ -6,13 +6,20 @@ the same :func:`arrayattn.kernels.backward.run_kernels` plan the CuPy path uses.
 are compared with a plain float64 NumPy backward written below. Output buffers start as
 NaN, so unwritten elements fail. No GPU is involved: this checks indexing, tiling,
 fragment layouts, block skipping, GQA loops, lengths, dropout regeneration and the
-deterministic/atomic schedules; not GPU timing, memory-model races or the real
-``ex2.approx``/tensor-core rounding.
+deterministic/atomic schedules, and (built with ThreadSanitizer, below) that no two
+threads touch the same shared memory without a barrier between them; not GPU timing or
+the real ``ex2.approx``/tensor-core rounding.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -71,6 +78,10 @@ CASES = {
     "empty_rows": dict(
         causal=True, align="bottom_right", L=45, S=20, q_lens=(45, 3), k_lens=(0, 20)
     ),
+    # Small enough for ThreadSanitizer (one block spawns up to 256 OS threads), still
+    # several query and key blocks (bottom-right: the last rows see both key blocks) with
+    # ragged tails, causal skipping and a GQA group.
+    "race": dict(B=1, Hq=2, Hkv=1, L=37, S=70, causal=True, align="bottom_right"),
 }
 
 
@@ -185,3 +196,102 @@ def test_deterministic_mode_is_bit_identical(library):
     for other in runs[1:]:
         for a, b in zip(runs[0], other, strict=True):
             assert np.array_equal(a, b)
+
+
+# -- data races ---------------------------------------------------------------------------
+# The emulator library built with ThreadSanitizer and run in a child process that preloads
+# libtsan. Every CUDA thread is an OS thread and every barrier a std::barrier, so TSan
+# reports any pair of shared-memory accesses from different threads with no barrier
+# between them, whatever order the threads ran in. Nothing else may order the threads:
+# the barriers are emulator_barrier.h's, and the dQ atomics relaxed atomic_ref adds, as
+# CUDA's atomicAdd is (seq_cst adds would order the threads and hide races).
+_TSAN_FLAGS = ("-O1", "-g", "-fsanitize=thread")
+_BWD_SOURCE = Path(str(resources.files("arrayattn.kernels"))) / "attn_bwd.cu"
+_BARRIER = "__syncthreads();"
+
+
+def _libtsan() -> str | None:
+    path = subprocess.run(
+        [emu.compiler() or "g++", "-print-file-name=libtsan.so"], capture_output=True, text=True
+    ).stdout.strip()
+    return path if os.path.isabs(path) and os.path.exists(path) else None
+
+
+def _plan_names(kind: str) -> list[str]:
+    plan = backward_plan(kind, 32, 32)
+    return [n for n in (plan.preprocess, plan.dkdv, plan.dq, plan.convert) if n]
+
+
+def _run_under_tsan(
+    lib: Path, kind: str, deterministic: bool, halt: bool = False
+) -> subprocess.CompletedProcess:
+    env = dict(os.environ, LD_PRELOAD=_libtsan() or "")
+    if halt:
+        env["TSAN_OPTIONS"] = "halt_on_error=1"
+    script = Path(__file__).resolve().parent / "_backward_tsan_run.py"
+    return subprocess.run(
+        [sys.executable, str(script), str(lib), kind, str(int(deterministic))],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+
+
+@pytest.fixture(scope="module")
+def tsan_work(tmp_path_factory) -> Path:
+    lib = _libtsan()
+    if lib is None:
+        pytest.skip("no libtsan for this compiler")
+    probe = subprocess.run(
+        [sys.executable, "-c", "pass"], env=dict(os.environ, LD_PRELOAD=lib), capture_output=True
+    )
+    if probe.returncode != 0:  # e.g. a kernel whose address layout TSan does not support
+        pytest.skip(f"ThreadSanitizer does not run here: {probe.stderr.decode()[-300:]}")
+    return tmp_path_factory.mktemp("bwd_tsan")
+
+
+@pytest.mark.parametrize(
+    "kind,deterministic", [("float16", False), ("float16", True), ("float32", True)]
+)
+def test_backward_kernels_have_no_data_race(tsan_work: Path, kind: str, deterministic: bool):
+    lib = emu.compile_library(_plan_names(kind), tsan_work, _TSAN_FLAGS)
+    res = _run_under_tsan(lib, kind, deterministic)
+    assert "WARNING: ThreadSanitizer" not in res.stderr, res.stderr[:6000]
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+
+
+def _barrier_sites() -> list[tuple[int, str, bool]]:
+    """(occurrence, kind, deterministic) that runs each ``__syncthreads();`` of attn_bwd.cu:
+    float32 for the CUDA-core kernels, float16 for the tensor-core ones; the atomic dQ
+    schedule for the barrier of dK/dV's ``if (dq_acc)`` part, else the deterministic one
+    (there the atomic part's own barrier would also cover the next step's reloads)."""
+    src = _BWD_SOURCE.read_text()
+    tc_start = src.index("aa_bwd_dkdv_mma(")
+    sites, pos = [], src.find(_BARRIER)
+    while pos >= 0:
+        atomic_only = src[:pos].rstrip().endswith("if (dq_acc) {")
+        kind = "float16" if pos > tc_start else "float32"
+        sites.append((len(sites), kind, not atomic_only))
+        pos = src.find(_BARRIER, pos + 1)
+    return sites
+
+
+@pytest.mark.parametrize("site,kind,deterministic", _barrier_sites())
+def test_race_check_catches_every_missing_barrier(
+    tsan_work: Path, tmp_path: Path, site: int, kind: str, deterministic: bool
+):
+    """Deleting any one ``__syncthreads()`` of the backward kernels makes the race check
+    fail."""
+    kdir = tmp_path / "kernels"
+    shutil.copytree(_BWD_SOURCE.parent, kdir, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    src = (kdir / "attn_bwd.cu").read_text()
+    pos = -1
+    for _ in range(site + 1):
+        pos = src.index(_BARRIER, pos + 1)
+    (kdir / "attn_bwd.cu").write_text(src[:pos] + "/* removed */" + src[pos + len(_BARRIER) :])
+    lib = emu.compile_library(_plan_names(kind), tmp_path, _TSAN_FLAGS, kernels_dir=kdir)
+    res = _run_under_tsan(lib, kind, deterministic, halt=True)
+    assert "WARNING: ThreadSanitizer" in res.stderr, (
+        f"barrier {site} removed ({kind} kernels), yet no race was reported"
+    )

@@ -111,6 +111,11 @@ CASES = {
         mask_kind=2,
         mask_b=False,
     ),
+    # Blocks with no key tile at all (kv_len 0; query blocks past q_len): only the Q copy
+    # is in flight when the epilogue reuses its shared memory for the output.
+    "f16_d64_no_key_tiles": Case(
+        "float16", 64, B=2, Hq=1, L=260, S=90, q_lens=(260, 20), kv_lens=(0, 90)
+    ),
     "f16_d256_boolmask_empty_rows": Case(
         "float16", 256, Hq=1, L=70, S=75, mask_kind=1, mask_h=False
     ),
@@ -173,33 +178,44 @@ def _defines(kind: str, d: int, kernel: str, mt: int | None) -> list[str]:
     ]
 
 
+def build_emulator(
+    case: Case,
+    exe: Path,
+    flags: tuple[str, ...] = ("-O1",),
+    kernels_dir: Path | None = None,
+) -> str:
+    """Compile the emulator driver for ``case``'s kernel into ``exe``; returns the
+    compiler's error text ("" on success). ``kernels_dir`` replaces the package's kernel
+    sources (a mutated copy)."""
+    kernels = kernels_dir or Path(str(resources.files("arrayattn.kernels")))
+    cmd = [
+        "g++",
+        "-std=c++20",
+        *flags,
+        "-pthread",
+        "-I",
+        str(HERE),
+        "-I",
+        str(kernels),
+        *_defines(case.kind, case.d, case.kernel, case.row_tiles),
+        str(HERE / "forward_emulator_main.cpp"),
+        "-o",
+        str(exe),
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    return res.stderr if res.returncode else ""
+
+
 @pytest.fixture(scope="module")
 def executables(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     if shutil.which("g++") is None:
         pytest.skip("g++ is needed to build the host emulator")
     work = tmp_path_factory.mktemp("fwd_emu")
-    kernels = resources.files("arrayattn.kernels")
     variants = {c.kernel: c for c in CASES.values()}
 
     def build(kernel: str) -> tuple[str, Path, str]:
-        case = variants[kernel]
         exe = work / f"emu_{abs(hash(kernel))}"
-        cmd = [
-            "g++",
-            "-std=c++20",
-            "-O1",
-            "-pthread",
-            "-I",
-            str(HERE),
-            "-I",
-            str(kernels),
-            *_defines(case.kind, case.d, kernel, case.row_tiles),
-            str(HERE / "forward_emulator_main.cpp"),
-            "-o",
-            str(exe),
-        ]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        return kernel, exe, res.stderr if res.returncode else ""
+        return kernel, exe, build_emulator(variants[kernel], exe)
 
     out = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
@@ -313,7 +329,10 @@ def reference(case: Case, x: dict, mask) -> tuple[np.ndarray, np.ndarray]:
     return out, lse
 
 
-def run_emulated(exe: Path, case: Case, stored: dict, mask, work: Path, eager: bool = False):
+def launch_emulator(
+    exe: Path, case: Case, stored: dict, mask, work: Path, eager: bool = False
+) -> subprocess.CompletedProcess:
+    """Write the inputs, run the emulator; its exit status and stderr are the caller's."""
     tc = tile_config(case.kind, case.d, case.row_tiles)
     left, right = _structure(case)
     header = np.array(
@@ -363,15 +382,25 @@ def run_emulated(exe: Path, case: Case, stored: dict, mask, work: Path, eager: b
     env.pop("AA_EMU_EAGER", None)
     if eager:
         env["AA_EMU_EAGER"] = "1"
-    res = subprocess.run(
+    return subprocess.run(
         [str(exe), str(path_in), str(path_out)],
         capture_output=True,
         text=True,
         timeout=900,
         env=env,
     )
+
+
+def run_emulated(exe: Path, case: Case, stored: dict, mask, work: Path, eager: bool = False):
+    """Run the kernel under the emulator; (output, LSE) as float64 arrays."""
+    res = launch_emulator(exe, case, stored, mask, work, eager)
     assert res.returncode == 0, f"emulator exit {res.returncode}: {res.stderr[-2000:]}"
-    raw = path_out.read_bytes()
+    return read_outputs(case, work)
+
+
+def read_outputs(case: Case, work: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(output, LSE) as float64 arrays from the emulator's last run in ``work``."""
+    raw = (work / "out.bin").read_bytes()
     n_out = case.B * case.Hq * case.L * case.d
     tio = np.uint16 if case.kind == "bfloat16" else _STORAGE[case.kind]
     isz = np.dtype(tio).itemsize
@@ -395,7 +424,10 @@ def test_forward_kernel_emulated(name: str, eager: bool, executables, tmp_path: 
     rng = np.random.default_rng()  # fresh inputs every run
     stored, exact, mask = _inputs(case, rng)
     out, lse = run_emulated(executables[case.kernel], case, stored, mask, tmp_path, eager)
-    ref_out, ref_lse = reference(case, exact, mask)
+    _assert_matches_reference(case, out, lse, *reference(case, exact, mask))
+
+
+def _assert_matches_reference(case: Case, out, lse, ref_out, ref_lse) -> None:
 
     assert not np.isnan(out).any(), "NaN in the output (unwritten or a NaN leak)"
     assert not np.isnan(lse).any(), "NaN in the LSE"
@@ -407,3 +439,123 @@ def test_forward_kernel_emulated(name: str, eager: bool, executables, tmp_path: 
     finite = ~empty
     lse_err = np.max(np.abs(lse[finite] - ref_lse[finite]) / np.maximum(1, np.abs(ref_lse[finite])))
     assert lse_err <= _LSE_TOL[case.kind], f"LSE error {lse_err:.2e}"
+
+
+# -- data races ---------------------------------------------------------------------------
+# The same emulator built with ThreadSanitizer. Every CUDA thread is an OS thread and every
+# barrier an emulator_barrier.h barrier (which orders nothing but its own threads), so
+# TSan's happens-before analysis sees exactly the kernel's own ordering: a shared-memory
+# access from another thread with no __syncthreads (or warp barrier) in between is
+# reported whatever order the threads happened to run in. cp.async copies land at the
+# issuing thread's wait_group (a read that needs them without a barrier after that wait is
+# a race); with AA_EMU_EAGER=1 they land at issue, which exposes a copy into a buffer
+# another thread may still be reading (write after read).
+_RACE_CASES = {
+    # MT = 2 (Q fragments re-read from shared memory), GQA, strided rows, two row blocks
+    # and a ragged second key tile.
+    "f16_d64_mt2_gqa": Case("float16", 64, Hq=2, Hkv=1, L=140, S=80, bshd=True),
+    # MT = 1 (Q in registers), causal block skipping.
+    "f16_d64_mt1_causal": Case("float16", 64, Hq=1, L=140, S=140, causal=True, mt=1),
+    # Blocks with no key tile: the epilogue reuses the Q buffer with only Q's copy in flight.
+    "f16_d64_no_key_tiles": CASES["f16_d64_no_key_tiles"],
+    # The CUDA-core kernels, float and double.
+    "f32_d64_causal_gqa_softcap_dropout_bool": CASES["f32_d64_causal_gqa_softcap_dropout_bool"],
+    "f64_d32_window_lengths_floatmask": CASES["f64_d32_window_lengths_floatmask"],
+}
+_TSAN_FLAGS = ("-O1", "-g", "-fsanitize=thread")
+_FWD_SOURCE = Path(str(resources.files("arrayattn.kernels"))) / "attn_fwd.cu"
+_BARRIER = "__syncthreads();"
+
+
+def _tsan_works(work: Path) -> bool:
+    probe = work / "probe.cpp"
+    probe.write_text("#include <thread>\nint main() { std::thread([] {}).join(); }\n")
+    res = subprocess.run(
+        ["g++", "-std=c++20", *_TSAN_FLAGS, "-pthread", str(probe), "-o", str(work / "probe")],
+        capture_output=True,
+    )
+    return res.returncode == 0 and subprocess.run([str(work / "probe")]).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def tsan_work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is needed to build the host emulator")
+    work = tmp_path_factory.mktemp("fwd_tsan")
+    if not _tsan_works(work):
+        pytest.skip("g++ cannot build and run a -fsanitize=thread program here")
+    return work
+
+
+@pytest.fixture(scope="module")
+def tsan_executables(tsan_work: Path) -> dict[str, Path]:
+    def build(name: str) -> tuple[str, Path, str]:
+        exe = tsan_work / f"tsan_{name}"
+        return name, exe, build_emulator(_RACE_CASES[name], exe, _TSAN_FLAGS)
+
+    out = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        for name, exe, err in pool.map(build, _RACE_CASES):
+            if err:
+                pytest.fail(f"building the TSan emulator for {name} failed:\n{err[-3000:]}")
+            out[name] = exe
+    return out
+
+
+def _races(res: subprocess.CompletedProcess) -> int:
+    return res.stderr.count("WARNING: ThreadSanitizer")
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["copies_at_wait", "copies_at_issue"])
+@pytest.mark.parametrize("name", _RACE_CASES)
+def test_forward_kernel_has_no_data_race(
+    name: str, eager: bool, tsan_executables, tmp_path: Path
+) -> None:
+    case = _RACE_CASES[name]
+    stored, exact, mask = _inputs(case, np.random.default_rng())
+    res = launch_emulator(tsan_executables[name], case, stored, mask, tmp_path, eager)
+    assert _races(res) == 0, f"ThreadSanitizer report:\n{res.stderr[:6000]}"
+    assert res.returncode == 0, f"emulator exit {res.returncode}: {res.stderr[-2000:]}"
+    out, lse = read_outputs(case, tmp_path)
+    _assert_matches_reference(case, out, lse, *reference(case, exact, mask))
+
+
+def _barrier_sites() -> list[tuple[int, str]]:
+    """(occurrence, kernel) of every ``__syncthreads();`` in attn_fwd.cu."""
+    src = _FWD_SOURCE.read_text()
+    simt_start = src.index("aa_fwd_simt(")
+    sites, pos = [], src.find(_BARRIER)
+    while pos >= 0:
+        sites.append((len(sites), "simt" if pos > simt_start else "tc"))
+        pos = src.find(_BARRIER, pos + 1)
+    return sites
+
+
+# A case whose schedule needs each barrier: the tensor-core barriers guard K/V/Q tiles
+# (the no-key-tiles case also has blocks where only Q's copy is in flight at the epilogue),
+# the CUDA-core ones Q^T, K/V and P^T.
+_MUTATION_CASE = {"tc": "f16_d64_no_key_tiles", "simt": "f32_d64_causal_gqa_softcap_dropout_bool"}
+_HALT_ON_RACE = "halt_on_error=1 report_signal_unsafe=0"
+
+
+@pytest.mark.parametrize("site,kernel", _barrier_sites())
+def test_race_check_catches_every_missing_barrier(
+    site: int, kernel: str, tsan_work: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deleting any one ``__syncthreads()`` of the forward kernels makes the race check
+    fail, so a barrier the schedule needs cannot silently go missing."""
+    kdir = tmp_path / "kernels"
+    shutil.copytree(_FWD_SOURCE.parent, kdir, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    src = (kdir / "attn_fwd.cu").read_text()
+    pos = -1
+    for _ in range(site + 1):
+        pos = src.index(_BARRIER, pos + 1)
+    (kdir / "attn_fwd.cu").write_text(src[:pos] + "/* removed */" + src[pos + len(_BARRIER) :])
+    case = _RACE_CASES[_MUTATION_CASE[kernel]]
+    exe = tmp_path / "emu"
+    err = build_emulator(case, exe, _TSAN_FLAGS, kernels_dir=kdir)
+    assert not err, err[-3000:]
+    stored, _, mask = _inputs(case, np.random.default_rng(site))
+    monkeypatch.setenv("TSAN_OPTIONS", _HALT_ON_RACE)  # the first report is enough
+    res = launch_emulator(exe, case, stored, mask, tmp_path, eager=False)
+    assert _races(res) > 0, f"barrier {site} ({kernel}) removed, yet no race was reported"

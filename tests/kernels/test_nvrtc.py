@@ -1,25 +1,43 @@
-"""The backward kernels compile under NVRTC exactly as ``cupy.RawModule`` compiles them.
+"""Every kernel variant compiles under NVRTC exactly as ``cupy.RawModule`` compiles them.
 
 ``nvcc`` (``.ci/compile_kernels.py``) is more permissive than NVRTC: it accepts host
 functions, includes the CUDA runtime headers implicitly, and so on. This test hands the
 source the loader produces (``_loader.kernel_source``: local headers inlined) and every
-name expression of ``backward.COMPILE_VARIANTS`` to NVRTC, with the loader's options, and
-checks that each name gets a lowered (mangled) name. No GPU is needed, only
-``libnvrtc`` (e.g. ``pip install nvidia-cuda-nvrtc``; point ``ARRAYATTN_NVRTC`` at the
-library file if it is not on the loader's path). Skipped when it cannot be found.
+name expression the compile check builds (the forward variants of
+``.ci/compile_kernels.py``, ``backward.COMPILE_VARIANTS``) to NVRTC, with the loader's
+options, and checks that each name gets a lowered (mangled) name. It caught a
+``constexpr`` host function in a launch bound that nvcc accepts and NVRTC rejects. No GPU
+is needed, only ``libnvrtc`` (the ``test`` extra installs the ``nvidia-cuda-nvrtc`` wheel on
+Linux x86-64; point ``ARRAYATTN_NVRTC`` at the library file to use another). Skipped when
+it cannot be found.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 from arrayattn.kernels import _loader
-from arrayattn.kernels.backward import COMPILE_VARIANTS, SOURCE
+from arrayattn.kernels.backward import COMPILE_VARIANTS
+
+_COMPILE_CHECK = Path(__file__).resolve().parents[2] / ".ci" / "compile_kernels.py"
+
+
+def _variants() -> dict[str, list[str]]:
+    """Source file -> the name expressions .ci/compile_kernels.py compiles with nvcc."""
+    spec = importlib.util.spec_from_file_location("compile_kernels", _COMPILE_CHECK)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["compile_kernels"] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    out = {mod.FWD: [name for name, *_ in mod.forward_variants()]}
+    out.update(COMPILE_VARIANTS)
+    return out
 
 
 def _find_nvrtc() -> ctypes.CDLL | None:
@@ -51,14 +69,16 @@ def _find_nvrtc() -> ctypes.CDLL | None:
     return None
 
 
-def test_every_backward_variant_compiles_under_nvrtc():
+@pytest.mark.parametrize("source", ["attn_fwd.cu", "attn_bwd.cu"])
+def test_every_variant_compiles_under_nvrtc(source: str) -> None:
     lib = _find_nvrtc()
     if lib is None:
         pytest.skip("libnvrtc not found (pip install nvidia-cuda-nvrtc, or set ARRAYATTN_NVRTC)")
-    names = COMPILE_VARIANTS[SOURCE]
+    names = _variants()[source]
+    assert len(names) >= 20, names
     prog = ctypes.c_void_p()
-    src = _loader.kernel_source(SOURCE).encode()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, SOURCE.encode(), 0, None, None) == 0
+    src = _loader.kernel_source(source).encode()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, source.encode(), 0, None, None) == 0
     try:
         for name in names:
             assert lib.nvrtcAddNameExpression(prog, name.encode()) == 0

@@ -1,0 +1,30 @@
+"""Run backward kernels from a ThreadSanitizer build of the emulator library.
+
+Run as a script in a process with ``libtsan`` preloaded (a TSan-instrumented library
+cannot be loaded into an uninstrumented Python otherwise):
+``python _backward_tsan_run.py LIBRARY KIND DETERMINISTIC``. It runs the race case of
+``test_backward_emulated.py`` and exits 1 when a gradient differs from the float64
+reference. TSan writes any race it sees to stderr; the calling test reads it there.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _backward_emu as emu  # noqa: E402
+import test_backward_emulated as bwd  # noqa: E402
+
+
+def main() -> int:
+    lib, kind, deterministic = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+    got, ref, _ = bwd.run_case(emu.load(lib), kind, "race", deterministic=deterministic)
+    errors = [bwd.rel(g, r) for g, r in zip(got, ref, strict=True)]
+    print("relative errors dq, dk, dv:", errors)
+    return 0 if max(errors) <= bwd.TOL[kind] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
