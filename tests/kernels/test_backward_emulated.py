@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import subprocess
 import sys
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +25,7 @@ import pytest
 from arrayattn.kernels.backward import backward_plan, run_kernels
 
 emu = pytest.importorskip("_backward_emu")
+tsan = pytest.importorskip("_tsan")
 reference = pytest.importorskip("_backward_reference").reference
 
 pytestmark = pytest.mark.skipif(
@@ -205,18 +204,6 @@ def test_deterministic_mode_is_bit_identical(library):
 # between them, whatever order the threads ran in. Nothing else may order the threads:
 # the barriers are emulator_barrier.h's, and the dQ atomics relaxed atomic_ref adds, as
 # CUDA's atomicAdd is (seq_cst adds would order the threads and hide races).
-_TSAN_FLAGS = ("-O1", "-g", "-fsanitize=thread")
-_BWD_SOURCE = Path(str(resources.files("arrayattn.kernels"))) / "attn_bwd.cu"
-_BARRIER = "__syncthreads();"
-
-
-def _libtsan() -> str | None:
-    path = subprocess.run(
-        [emu.compiler() or "g++", "-print-file-name=libtsan.so"], capture_output=True, text=True
-    ).stdout.strip()
-    return path if os.path.isabs(path) and os.path.exists(path) else None
-
-
 def _plan_names(kind: str) -> list[str]:
     plan = backward_plan(kind, 32, 32)
     return [n for n in (plan.preprocess, plan.dkdv, plan.dq, plan.convert) if n]
@@ -225,7 +212,7 @@ def _plan_names(kind: str) -> list[str]:
 def _run_under_tsan(
     lib: Path, kind: str, deterministic: bool, halt: bool = False
 ) -> subprocess.CompletedProcess:
-    env = dict(os.environ, LD_PRELOAD=_libtsan() or "")
+    env = dict(os.environ, LD_PRELOAD=tsan.libtsan(emu.compiler() or "g++") or "")
     if halt:
         env["TSAN_OPTIONS"] = "halt_on_error=1"
     script = Path(__file__).resolve().parent / "_backward_tsan_run.py"
@@ -240,7 +227,7 @@ def _run_under_tsan(
 
 @pytest.fixture(scope="module")
 def tsan_work(tmp_path_factory) -> Path:
-    lib = _libtsan()
+    lib = tsan.libtsan(emu.compiler() or "g++")
     if lib is None:
         pytest.skip("no libtsan for this compiler")
     probe = subprocess.run(
@@ -255,9 +242,9 @@ def tsan_work(tmp_path_factory) -> Path:
     "kind,deterministic", [("float16", False), ("float16", True), ("float32", True)]
 )
 def test_backward_kernels_have_no_data_race(tsan_work: Path, kind: str, deterministic: bool):
-    lib = emu.compile_library(_plan_names(kind), tsan_work, _TSAN_FLAGS)
+    lib = emu.compile_library(_plan_names(kind), tsan_work, tsan.FLAGS)
     res = _run_under_tsan(lib, kind, deterministic)
-    assert "WARNING: ThreadSanitizer" not in res.stderr, res.stderr[:6000]
+    assert tsan.REPORT not in res.stderr, res.stderr[:6000]
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
 
 
@@ -266,14 +253,12 @@ def _barrier_sites() -> list[tuple[int, str, bool]]:
     float32 for the CUDA-core kernels, float16 for the tensor-core ones; the atomic dQ
     schedule for the barrier of dK/dV's ``if (dq_acc)`` part, else the deterministic one
     (there the atomic part's own barrier would also cover the next step's reloads)."""
-    src = _BWD_SOURCE.read_text()
+    src = (tsan.KERNELS / "attn_bwd.cu").read_text()
     tc_start = src.index("aa_bwd_dkdv_mma(")
-    sites, pos = [], src.find(_BARRIER)
-    while pos >= 0:
+    sites = []
+    for i, pos in enumerate(tsan.barrier_offsets("attn_bwd.cu")):
         atomic_only = src[:pos].rstrip().endswith("if (dq_acc) {")
-        kind = "float16" if pos > tc_start else "float32"
-        sites.append((len(sites), kind, not atomic_only))
-        pos = src.find(_BARRIER, pos + 1)
+        sites.append((i, "float16" if pos > tc_start else "float32", not atomic_only))
     return sites
 
 
@@ -283,15 +268,9 @@ def test_race_check_catches_every_missing_barrier(
 ):
     """Deleting any one ``__syncthreads()`` of the backward kernels makes the race check
     fail."""
-    kdir = tmp_path / "kernels"
-    shutil.copytree(_BWD_SOURCE.parent, kdir, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
-    src = (kdir / "attn_bwd.cu").read_text()
-    pos = -1
-    for _ in range(site + 1):
-        pos = src.index(_BARRIER, pos + 1)
-    (kdir / "attn_bwd.cu").write_text(src[:pos] + "/* removed */" + src[pos + len(_BARRIER) :])
-    lib = emu.compile_library(_plan_names(kind), tmp_path, _TSAN_FLAGS, kernels_dir=kdir)
+    kdir = tsan.kernels_without_barrier("attn_bwd.cu", site, tmp_path / "kernels")
+    lib = emu.compile_library(_plan_names(kind), tmp_path, tsan.FLAGS, kernels_dir=kdir)
     res = _run_under_tsan(lib, kind, deterministic, halt=True)
-    assert "WARNING: ThreadSanitizer" in res.stderr, (
+    assert tsan.REPORT in res.stderr, (
         f"barrier {site} removed ({kind} kernels), yet no race was reported"
     )

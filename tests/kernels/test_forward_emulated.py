@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+import _tsan as tsan
 import numpy as np
 import pytest
 
@@ -462,19 +463,6 @@ _RACE_CASES = {
     "f32_d64_causal_gqa_softcap_dropout_bool": CASES["f32_d64_causal_gqa_softcap_dropout_bool"],
     "f64_d32_window_lengths_floatmask": CASES["f64_d32_window_lengths_floatmask"],
 }
-_TSAN_FLAGS = ("-O1", "-g", "-fsanitize=thread")
-_FWD_SOURCE = Path(str(resources.files("arrayattn.kernels"))) / "attn_fwd.cu"
-_BARRIER = "__syncthreads();"
-
-
-def _tsan_works(work: Path) -> bool:
-    probe = work / "probe.cpp"
-    probe.write_text("#include <thread>\nint main() { std::thread([] {}).join(); }\n")
-    res = subprocess.run(
-        ["g++", "-std=c++20", *_TSAN_FLAGS, "-pthread", str(probe), "-o", str(work / "probe")],
-        capture_output=True,
-    )
-    return res.returncode == 0 and subprocess.run([str(work / "probe")]).returncode == 0
 
 
 @pytest.fixture(scope="module")
@@ -482,7 +470,7 @@ def tsan_work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("g++") is None:
         pytest.skip("g++ is needed to build the host emulator")
     work = tmp_path_factory.mktemp("fwd_tsan")
-    if not _tsan_works(work):
+    if not tsan.program_runs(work):
         pytest.skip("g++ cannot build and run a -fsanitize=thread program here")
     return work
 
@@ -491,7 +479,7 @@ def tsan_work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tsan_executables(tsan_work: Path) -> dict[str, Path]:
     def build(name: str) -> tuple[str, Path, str]:
         exe = tsan_work / f"tsan_{name}"
-        return name, exe, build_emulator(_RACE_CASES[name], exe, _TSAN_FLAGS)
+        return name, exe, build_emulator(_RACE_CASES[name], exe, tsan.FLAGS)
 
     out = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
@@ -503,7 +491,7 @@ def tsan_executables(tsan_work: Path) -> dict[str, Path]:
 
 
 def _races(res: subprocess.CompletedProcess) -> int:
-    return res.stderr.count("WARNING: ThreadSanitizer")
+    return res.stderr.count(tsan.REPORT)
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["copies_at_wait", "copies_at_issue"])
@@ -522,13 +510,9 @@ def test_forward_kernel_has_no_data_race(
 
 def _barrier_sites() -> list[tuple[int, str]]:
     """(occurrence, kernel) of every ``__syncthreads();`` in attn_fwd.cu."""
-    src = _FWD_SOURCE.read_text()
-    simt_start = src.index("aa_fwd_simt(")
-    sites, pos = [], src.find(_BARRIER)
-    while pos >= 0:
-        sites.append((len(sites), "simt" if pos > simt_start else "tc"))
-        pos = src.find(_BARRIER, pos + 1)
-    return sites
+    simt_start = (tsan.KERNELS / "attn_fwd.cu").read_text().index("aa_fwd_simt(")
+    offsets = tsan.barrier_offsets("attn_fwd.cu")
+    return [(i, "simt" if pos > simt_start else "tc") for i, pos in enumerate(offsets)]
 
 
 # A case whose schedule needs each barrier: the tensor-core barriers guard K/V/Q tiles
@@ -544,16 +528,10 @@ def test_race_check_catches_every_missing_barrier(
 ) -> None:
     """Deleting any one ``__syncthreads()`` of the forward kernels makes the race check
     fail, so a barrier the schedule needs cannot silently go missing."""
-    kdir = tmp_path / "kernels"
-    shutil.copytree(_FWD_SOURCE.parent, kdir, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
-    src = (kdir / "attn_fwd.cu").read_text()
-    pos = -1
-    for _ in range(site + 1):
-        pos = src.index(_BARRIER, pos + 1)
-    (kdir / "attn_fwd.cu").write_text(src[:pos] + "/* removed */" + src[pos + len(_BARRIER) :])
+    kdir = tsan.kernels_without_barrier("attn_fwd.cu", site, tmp_path / "kernels")
     case = _RACE_CASES[_MUTATION_CASE[kernel]]
     exe = tmp_path / "emu"
-    err = build_emulator(case, exe, _TSAN_FLAGS, kernels_dir=kdir)
+    err = build_emulator(case, exe, tsan.FLAGS, kernels_dir=kdir)
     assert not err, err[-3000:]
     stored, _, mask = _inputs(case, np.random.default_rng(site))
     monkeypatch.setenv("TSAN_OPTIONS", _HALT_ON_RACE)  # the first report is enough

@@ -1,0 +1,62 @@
+"""Shared pieces of the kernels' data-race checks (ThreadSanitizer over the emulators).
+
+Every CUDA thread of an emulated kernel is an OS thread, and the emulators' barriers
+(``emulator_barrier.h``) order nothing but their own threads, so TSan reports any pair of
+accesses from different threads with no barrier between them, however the threads ran.
+The tests that use this also delete one ``__syncthreads();`` at a time from a copy of the
+kernel source, to show the check notices each barrier the schedule needs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from importlib import resources
+from pathlib import Path
+
+FLAGS = ("-O1", "-g", "-fsanitize=thread")
+KERNELS = Path(str(resources.files("arrayattn.kernels")))
+BARRIER = "__syncthreads();"
+REPORT = "WARNING: ThreadSanitizer"
+
+
+def barrier_offsets(source: str) -> list[int]:
+    """Character offsets of every ``__syncthreads();`` in a kernel file's text."""
+    text = (KERNELS / source).read_text()
+    out, pos = [], text.find(BARRIER)
+    while pos >= 0:
+        out.append(pos)
+        pos = text.find(BARRIER, pos + 1)
+    return out
+
+
+def kernels_without_barrier(source: str, site: int, dest: Path) -> Path:
+    """A copy of the kernel sources in ``dest`` with barrier number ``site`` of ``source``
+    commented out; returns ``dest``."""
+    shutil.copytree(KERNELS, dest, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    text = (dest / source).read_text()
+    pos = barrier_offsets(source)[site]
+    (dest / source).write_text(text[:pos] + "/* removed */" + text[pos + len(BARRIER) :])
+    return dest
+
+
+def libtsan(compiler: str = "g++") -> str | None:
+    """Path of the compiler's libtsan (to preload into an uninstrumented Python), or None."""
+    path = subprocess.run(
+        [compiler, "-print-file-name=libtsan.so"], capture_output=True, text=True
+    ).stdout.strip()
+    return path if os.path.isabs(path) and os.path.exists(path) else None
+
+
+def program_runs(work: Path, compiler: str = "g++") -> bool:
+    """Whether a -fsanitize=thread program builds and runs here (TSan needs an address
+    layout some kernels do not give)."""
+    probe = work / "tsan_probe.cpp"
+    probe.write_text("#include <thread>\nint main() { std::thread([] {}).join(); }\n")
+    exe = work / "tsan_probe"
+    built = subprocess.run(
+        [compiler, "-std=c++20", *FLAGS, "-pthread", str(probe), "-o", str(exe)],
+        capture_output=True,
+    )
+    return built.returncode == 0 and subprocess.run([str(exe)]).returncode == 0
