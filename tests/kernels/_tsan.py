@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
+from functools import cache
 from importlib import resources
 from pathlib import Path
 
@@ -19,6 +21,7 @@ FLAGS = ("-O1", "-g", "-fsanitize=thread")
 KERNELS = Path(str(resources.files("arrayattn.kernels")))
 BARRIER = "__syncthreads();"
 REPORT = "WARNING: ThreadSanitizer"
+HALT_ON_RACE = "halt_on_error=1"  # TSAN_OPTIONS where the first report is enough
 
 
 def barrier_offsets(source: str) -> list[int]:
@@ -41,12 +44,22 @@ def kernels_without_barrier(source: str, site: int, dest: Path) -> Path:
     return dest
 
 
+@cache
 def libtsan(compiler: str = "g++") -> str | None:
     """Path of the compiler's libtsan (to preload into an uninstrumented Python), or None."""
     path = subprocess.run(
         [compiler, "-print-file-name=libtsan.so"], capture_output=True, text=True
     ).stdout.strip()
     return path if os.path.isabs(path) and os.path.exists(path) else None
+
+
+def python_fails_with(lib: str) -> str | None:
+    """None when a Python with ``lib`` preloaded starts here, else its error output (TSan
+    needs an address layout some kernels do not give)."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "pass"], env=dict(os.environ, LD_PRELOAD=lib), capture_output=True
+    )
+    return None if probe.returncode == 0 else probe.stderr.decode(errors="replace")[-300:]
 
 
 def program_runs(work: Path, compiler: str = "g++") -> bool:

@@ -198,12 +198,10 @@ def test_deterministic_mode_is_bit_identical(library):
 
 
 # -- data races ---------------------------------------------------------------------------
-# The emulator library built with ThreadSanitizer and run in a child process that preloads
-# libtsan. Every CUDA thread is an OS thread and every barrier a std::barrier, so TSan
-# reports any pair of shared-memory accesses from different threads with no barrier
-# between them, whatever order the threads ran in. Nothing else may order the threads:
-# the barriers are emulator_barrier.h's, and the dQ atomics relaxed atomic_ref adds, as
-# CUDA's atomicAdd is (seq_cst adds would order the threads and hide races).
+# The emulator library built with ThreadSanitizer (see _tsan.py) and run in a child process
+# that preloads libtsan. Nothing but the kernel's own barriers may order its threads: the
+# barriers are emulator_barrier.h's, and the dQ atomics relaxed atomic_ref adds, as CUDA's
+# atomicAdd is (seq_cst adds would order the threads and hide races).
 def _plan_names(kind: str) -> list[str]:
     plan = backward_plan(kind, 32, 32)
     return [n for n in (plan.preprocess, plan.dkdv, plan.dq, plan.convert) if n]
@@ -214,7 +212,7 @@ def _run_under_tsan(
 ) -> subprocess.CompletedProcess:
     env = dict(os.environ, LD_PRELOAD=tsan.libtsan(emu.compiler() or "g++") or "")
     if halt:
-        env["TSAN_OPTIONS"] = "halt_on_error=1"
+        env["TSAN_OPTIONS"] = tsan.HALT_ON_RACE
     script = Path(__file__).resolve().parent / "_backward_tsan_run.py"
     return subprocess.run(
         [sys.executable, str(script), str(lib), kind, str(int(deterministic))],
@@ -230,11 +228,9 @@ def tsan_work(tmp_path_factory) -> Path:
     lib = tsan.libtsan(emu.compiler() or "g++")
     if lib is None:
         pytest.skip("no libtsan for this compiler")
-    probe = subprocess.run(
-        [sys.executable, "-c", "pass"], env=dict(os.environ, LD_PRELOAD=lib), capture_output=True
-    )
-    if probe.returncode != 0:  # e.g. a kernel whose address layout TSan does not support
-        pytest.skip(f"ThreadSanitizer does not run here: {probe.stderr.decode()[-300:]}")
+    error = tsan.python_fails_with(lib)
+    if error is not None:
+        pytest.skip(f"ThreadSanitizer does not run here: {error}")
     return tmp_path_factory.mktemp("bwd_tsan")
 
 

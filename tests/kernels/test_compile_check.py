@@ -4,24 +4,13 @@ for sm_90 (the backward kernels' variants are checked by .ci/run's full run)."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / ".ci" / "compile_kernels.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("compile_kernels", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["compile_kernels"] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
+from _compile_check import SCRIPT
+from _compile_check import load as _load
 
 SAMPLE = """\
 ptxas info    : 0 bytes gmem

@@ -211,19 +211,26 @@ def build_emulator(
 def executables(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     if shutil.which("g++") is None:
         pytest.skip("g++ is needed to build the host emulator")
-    work = tmp_path_factory.mktemp("fwd_emu")
     variants = {c.kernel: c for c in CASES.values()}
+    return build_emulators(variants, tmp_path_factory.mktemp("fwd_emu"))
 
-    def build(kernel: str) -> tuple[str, Path, str]:
-        exe = work / f"emu_{abs(hash(kernel))}"
-        return kernel, exe, build_emulator(variants[kernel], exe)
+
+def build_emulators(
+    cases: dict[str, Case], work: Path, flags: tuple[str, ...] = ("-O1",)
+) -> dict[str, Path]:
+    """One emulator executable per entry of ``cases`` (two compiles at a time), keyed alike;
+    a compile error fails the test."""
+
+    def build(key: str) -> tuple[str, Path, str]:
+        exe = work / f"emu_{abs(hash(key))}"
+        return key, exe, build_emulator(cases[key], exe, flags)
 
     out = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        for kernel, exe, err in pool.map(build, variants):
+        for key, exe, err in pool.map(build, cases):
             if err:
-                pytest.fail(f"building the emulator for {kernel} failed:\n{err[-3000:]}")
-            out[kernel] = exe
+                pytest.fail(f"building the emulator for {key} ({flags}) failed:\n{err[-3000:]}")
+            out[key] = exe
     return out
 
 
@@ -477,21 +484,7 @@ def tsan_work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def tsan_executables(tsan_work: Path) -> dict[str, Path]:
-    def build(name: str) -> tuple[str, Path, str]:
-        exe = tsan_work / f"tsan_{name}"
-        return name, exe, build_emulator(_RACE_CASES[name], exe, tsan.FLAGS)
-
-    out = {}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        for name, exe, err in pool.map(build, _RACE_CASES):
-            if err:
-                pytest.fail(f"building the TSan emulator for {name} failed:\n{err[-3000:]}")
-            out[name] = exe
-    return out
-
-
-def _races(res: subprocess.CompletedProcess) -> int:
-    return res.stderr.count(tsan.REPORT)
+    return build_emulators(_RACE_CASES, tsan_work, tsan.FLAGS)
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["copies_at_wait", "copies_at_issue"])
@@ -502,7 +495,7 @@ def test_forward_kernel_has_no_data_race(
     case = _RACE_CASES[name]
     stored, exact, mask = _inputs(case, np.random.default_rng())
     res = launch_emulator(tsan_executables[name], case, stored, mask, tmp_path, eager)
-    assert _races(res) == 0, f"ThreadSanitizer report:\n{res.stderr[:6000]}"
+    assert tsan.REPORT not in res.stderr, f"ThreadSanitizer report:\n{res.stderr[:6000]}"
     assert res.returncode == 0, f"emulator exit {res.returncode}: {res.stderr[-2000:]}"
     out, lse = read_outputs(case, tmp_path)
     _assert_matches_reference(case, out, lse, *reference(case, exact, mask))
@@ -519,7 +512,6 @@ def _barrier_sites() -> list[tuple[int, str]]:
 # (the no-key-tiles case also has blocks where only Q's copy is in flight at the epilogue),
 # the CUDA-core ones Q^T, K/V and P^T.
 _MUTATION_CASE = {"tc": "f16_d64_no_key_tiles", "simt": "f32_d64_causal_gqa_softcap_dropout_bool"}
-_HALT_ON_RACE = "halt_on_error=1 report_signal_unsafe=0"
 
 
 @pytest.mark.parametrize("site,kernel", _barrier_sites())
@@ -534,6 +526,6 @@ def test_race_check_catches_every_missing_barrier(
     err = build_emulator(case, exe, tsan.FLAGS, kernels_dir=kdir)
     assert not err, err[-3000:]
     stored, _, mask = _inputs(case, np.random.default_rng(site))
-    monkeypatch.setenv("TSAN_OPTIONS", _HALT_ON_RACE)  # the first report is enough
+    monkeypatch.setenv("TSAN_OPTIONS", tsan.HALT_ON_RACE)
     res = launch_emulator(exe, case, stored, mask, tmp_path, eager=False)
-    assert _races(res) > 0, f"barrier {site} ({kernel}) removed, yet no race was reported"
+    assert tsan.REPORT in res.stderr, f"barrier {site} ({kernel}) removed, yet no race was reported"

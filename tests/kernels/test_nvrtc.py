@@ -16,25 +16,19 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
+import _compile_check
 import pytest
 
 from arrayattn.kernels import _loader
 from arrayattn.kernels.backward import COMPILE_VARIANTS
 
-_COMPILE_CHECK = Path(__file__).resolve().parents[2] / ".ci" / "compile_kernels.py"
-
 
 def _variants() -> dict[str, list[str]]:
     """Source file -> the name expressions .ci/compile_kernels.py compiles with nvcc."""
-    spec = importlib.util.spec_from_file_location("compile_kernels", _COMPILE_CHECK)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["compile_kernels"] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
+    mod = _compile_check.load()
     out = {mod.FWD: [name for name, *_ in mod.forward_variants()]}
     out.update(COMPILE_VARIANTS)
     return out
