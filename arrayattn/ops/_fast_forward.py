@@ -166,8 +166,23 @@ def forward(
         _, part, bi, hk, h0, h1, r0, r1, c0, c1 = unit
         b = lay.lead_index[bi]
         rows = b + (slice(h0, h1), slice(r0, r1))
-        _tile(spec, lay, state, static_bound, bi, hk, h0, h1, r0, r1, c0, c1, width,
-              outs[(part,) + rows], lses[(part,) + rows])
+        _tile(
+            spec,
+            lay,
+            state,
+            static_bound,
+            bi,
+            hk,
+            h0,
+            h1,
+            r0,
+            r1,
+            c0,
+            c1,
+            width,
+            outs[(part,) + rows],
+            lses[(part,) + rows],
+        )
 
     with np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"):
         _nf._run_units(units, make_state, run, serial)
