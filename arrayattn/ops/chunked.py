@@ -19,8 +19,9 @@ wholly inside the band skip the mask test. Every block computation (scores, mask
 dropout, the score gradient) is the one the composed path uses (``_composed``), so the
 two paths share a single definition of the semantics.
 
-``implementation="auto"`` uses this path when the composed path's score matrix would
-exceed :data:`AUTO_CHUNK_BYTES` (and no faster registered path takes the call).
+``implementation="auto"`` uses this path when the cost model (``_cost``) finds it the
+cheapest, and always instead of the composed path when one of the composed path's row
+blocks would exceed :data:`AUTO_CHUNK_BYTES`.
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ MIN_BLOCK_KEYS = 128
 STRUCTURED_ROW_BLOCKS = 8
 
 AUTO_CHUNK_BYTES = 256 * 2**20
-"""``implementation="auto"`` switches from the composed path to this one when the composed
-path's score matrix, ``batch * Hq * L * S * itemsize`` bytes in the compute dtype (4 for
-float16/float32 inputs, 8 for float64), would exceed this many bytes (256 MiB)."""
+"""``implementation="auto"`` never runs the composed path when one of its row blocks'
+score matrices, ``batch * Hq * rows * keys * itemsize`` bytes in the compute dtype (4 for
+float16/float32 inputs, 8 for float64), would exceed this many bytes (256 MiB): a
+single query row over a very long key range, for example."""
 
 
 def score_matrix_bytes(spec: AttentionSpec) -> int:
@@ -70,15 +72,6 @@ def score_matrix_bytes(spec: AttentionSpec) -> int:
     the composed path allocates (several times, for scores, probabilities, gradients)."""
     itemsize = 8 if spec.cdtype == spec.xp.float64 else 4
     return spec.batch_size * spec.Hq * spec.L * spec.S * itemsize
-
-
-def _auto_declines(spec: AttentionSpec) -> str | None:
-    if score_matrix_bytes(spec) > AUTO_CHUNK_BYTES:
-        return None
-    return (
-        f"the score matrix ({score_matrix_bytes(spec)} bytes) fits under "
-        f"AUTO_CHUNK_BYTES={AUTO_CHUNK_BYTES}; the composed path is faster there"
-    )
 
 
 def block_sizes(spec: AttentionSpec) -> tuple[int, int]:
@@ -512,6 +505,4 @@ class _DefaultChunked:
 
 # After a faster registered path (the NumPy fast path ranks lower), before composed.
 AUTO_RANK = 50
-register_implementation(
-    "chunked", _DefaultChunked(), auto_rank=AUTO_RANK, auto_declines=_auto_declines
-)
+register_implementation("chunked", _DefaultChunked(), auto_rank=AUTO_RANK)
