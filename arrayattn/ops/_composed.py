@@ -243,6 +243,17 @@ def inside_band(spec: AttentionSpec, r0: int, r1: int, c0: int, c1: int) -> bool
     return low_ok and high_ok
 
 
+def key_parts(spec: AttentionSpec, r0: int, r1: int, c0: int, c1: int) -> list[tuple[int, int]]:
+    """The keys ``[c0, c1)`` of rows ``[r0, r1)`` cut into the part every row sees
+    (no mask test) and the band's edges before and after it (masked)."""
+    st = spec.structure
+    if st.is_trivial or spec.offset_g is not None:
+        return [(c0, c1)]
+    a = c0 if st.left < 0 else min(c1, max(c0, r1 - 1 + st.offset - st.left))
+    b = c1 if st.right < 0 else max(a, min(c1, r0 + st.offset + st.right + 1))
+    return [(x, y) for x, y in ((c0, a), (a, b), (b, c1)) if y > x]
+
+
 def row_blocks(spec: AttentionSpec) -> list[tuple[int, int, int, int]]:
     """``(r0, r1, c0, c1)``: the query row blocks of the composed path and the key range
     each can see (``c0 == c1`` when none). One block for small calls; more when the
@@ -308,28 +319,40 @@ def forward(
             outs.append(xp.zeros(rows_shape + (spec.Ev,), dtype=cd, device=spec.device))
             lses.append(xp.full(rows_shape + (1,), -float("inf"), dtype=cd, device=spec.device))
             continue
-        rows, cols = index_block(spec, r0, r1, c0, c1)
         q_b = qg if (r0, r1) == (0, spec.L) else qg[..., r0:r1, :]
-        k_b, v_b = (x if (c0, c1) == (0, spec.S) else x[..., c0:c1, :] for x in (kg, vg))
-        s, _ = scores_block(
-            spec,
-            q_b,
-            k_b,
-            mask_block(mask_g, r0, r1, c0, c1),
-            rows,
-            cols,
-            check_structure=not inside_band(spec, r0, r1, c0, c1),
-            q_scaled=True,
-        )
-        m = xp.max(s, axis=-1, keepdims=True)
+        # The block's keys in parts: the band's inside needs no mask test, only the
+        # (narrow) edges do; one exact softmax over all parts (max first, then sums).
+        parts = []
+        for p0, p1 in key_parts(spec, r0, r1, c0, c1):
+            rows, cols = index_block(spec, r0, r1, p0, p1)
+            k_b = kg if (p0, p1) == (0, spec.S) else kg[..., p0:p1, :]
+            s, _ = scores_block(
+                spec,
+                q_b,
+                k_b,
+                mask_block(mask_g, r0, r1, p0, p1),
+                rows,
+                cols,
+                check_structure=not inside_band(spec, r0, r1, p0, p1),
+                q_scaled=True,
+            )
+            parts.append((p0, p1, rows, cols, s))
+        m = None
+        for *_, s in parts:
+            m_p = xp.max(s, axis=-1, keepdims=True)
+            m = m_p if m is None else xp.maximum(m, m_p)
         m = xp.where(xp.isfinite(m), m, zero)  # empty rows: exp(-inf - 0) = 0
-        e = xp.exp(s - m)
-        total = xp.sum(e, axis=-1, keepdims=True)
+        total = out = None
+        for p0, p1, rows, cols, s in parts:
+            e = xp.exp(s - m)
+            t = xp.sum(e, axis=-1, keepdims=True)
+            if spec.dropout_p > 0:
+                e = apply_dropout(spec, e, rows, cols)
+            v_b = vg if (p0, p1) == (0, spec.S) else vg[..., p0:p1, :]
+            o = group_matmul(xp, e, kv_rows(xp, v_b))
+            total, out = (t, o) if total is None else (total + t, out + o)
         nonempty = total > 0
         total_safe = xp.where(nonempty, total, one)
-        if spec.dropout_p > 0:
-            e = apply_dropout(spec, e, rows, cols)
-        out = group_matmul(xp, e, kv_rows(xp, v_b))
         outs.append(xp.broadcast_to(out / total_safe, rows_shape + (spec.Ev,)))
         lse = xp.where(nonempty, m + xp.log(total_safe), neg_inf)
         lses.append(xp.broadcast_to(lse, rows_shape + (1,)))
