@@ -139,14 +139,30 @@ _POOL_LOCK = threading.Lock()
 
 
 def _pool(n: int) -> ThreadPoolExecutor:
+    """A pool with at least ``n`` worker threads.
+
+    A pool is never shut down here: another thread may be submitting to it right now (a
+    run-time change of ``ARRAYATTN_NUM_THREADS`` used to shut it under that thread's
+    feet). A pool that has to grow is replaced and the old one is dropped; its idle
+    threads exit once the last caller holding it lets go (the executor is collected).
+    A pool larger than ``n`` is kept: callers submit only ``n`` workers to it."""
     global _POOL, _POOL_SIZE
     with _POOL_LOCK:
-        if _POOL is None or _POOL_SIZE != n:
-            if _POOL is not None:
-                _POOL.shutdown(wait=False)
+        if _POOL is None or _POOL_SIZE < n:
             _POOL = ThreadPoolExecutor(max_workers=n, thread_name_prefix="arrayattn-fast")
             _POOL_SIZE = n
         return _POOL
+
+
+def _after_fork_in_child() -> None:
+    """A child made by ``fork`` inherits the pool object but none of its threads (and
+    possibly a lock some parent thread held): work submitted there would wait forever.
+    Forget both; the child builds its own pool on first use."""
+    global _POOL, _POOL_SIZE, _POOL_LOCK
+    _POOL = None
+    _POOL_SIZE = 0
+    _POOL_LOCK = threading.Lock()
+    _BLAS_ONE_THREAD.reset_after_fork()
 
 
 class _SingleThreadedBlas:
@@ -161,6 +177,12 @@ class _SingleThreadedBlas:
         self._limiter: Any = None
         self._controller: Any = None
         self._ready = False
+
+    def reset_after_fork(self) -> None:
+        """In a forked child no fast-path call is running: a fresh lock, no limit held."""
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._limiter = None
 
     def _get_controller(self) -> Any:
         if not self._ready:
@@ -190,6 +212,9 @@ class _SingleThreadedBlas:
 
 _BLAS_ONE_THREAD = _SingleThreadedBlas()
 
+if hasattr(os, "register_at_fork"):  # POSIX; spawn and forkserver children start fresh
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 def _run_units(
     units: Sequence[Any],
@@ -199,7 +224,8 @@ def _run_units(
 ) -> None:
     """Run ``work(state, unit)`` for every unit, on the pool unless ``serial``; each worker
     thread builds its own ``state`` (its buffers) once and takes units in order."""
-    n = num_threads()
+    n_env = num_threads()
+    n = n_env
     if serial or n == 1 or len(units) <= 1:
         state = make_state()
         for u in units:
@@ -220,7 +246,9 @@ def _run_units(
                 work(state, units[i])
 
     with _BLAS_ONE_THREAD:
-        futures = [_pool(num_threads()).submit(worker) for _ in range(n)]
+        # One pool for the whole call, read once: the environment may change meanwhile.
+        pool = _pool(n_env)
+        futures = [pool.submit(worker) for _ in range(n)]
         for f in futures:
             f.result()
 
@@ -650,26 +678,29 @@ def backward(
     Hkv = spec.Hkv
     n_key_blocks = -(-spec.S // BWD_KEYS)
     n_threads = num_threads()
+    # (batch, KV head) pairs whose float-mask gradients land on the same mask elements
+    # (the mask broadcasts over batch or heads) form one group, run in one unit in a
+    # fixed order: an accumulation order that followed thread timing made the mask
+    # gradient differ run to run. Each group owns its mask elements, so no lock either.
+    groups = _mask_groups(spec, lay, nb)
     chunks = 1
-    if n_threads > 1 and nb * Hkv < 2 * n_threads:
-        chunks = max(1, min(n_key_blocks, -(-2 * n_threads // (nb * Hkv))))
+    if n_threads > 1 and len(groups) < 2 * n_threads:
+        chunks = max(1, min(n_key_blocks, -(-2 * n_threads // len(groups))))
     dq_parts = np.zeros((chunks,) + lead + (spec.Hq, spec.L, spec.E), cd)
     dk_f = np.zeros(lead + (Hkv, spec.S, spec.E), cd)
     dv_f = np.zeros(lead + (Hkv, spec.S, spec.Ev), cd)
     d_mask_acc = None
-    mask_lock = threading.Lock()
     if spec.mask_kind == "float":
         d_mask_acc = np.zeros(lay.mask_padded_shape, cd)
 
     key_spans = _spans(0, spec.S, BWD_KEYS)
     per_chunk = -(-len(key_spans) // chunks)
     units = []
-    for bi in range(nb):
-        for hk in range(Hkv):
-            for c in range(chunks):
-                spans = key_spans[c * per_chunk : (c + 1) * per_chunk]
-                if spans:
-                    units.append((bi, hk, c, spans))
+    for members in groups:
+        for c in range(chunks):
+            spans = key_spans[c * per_chunk : (c + 1) * per_chunk]
+            if spans:
+                units.append((members, c, spans))
     serial = spec.Hq * nb * spec.L * spec.S < _SERIAL_WORK
     rows = min(BWD_ROWS, spec.L)
     keys = min(BWD_KEYS, spec.S)
@@ -686,7 +717,6 @@ def backward(
         dk_f=dk_f,
         dv_f=dv_f,
         d_mask_acc=d_mask_acc,
-        mask_lock=mask_lock,
         rows=rows,
     )
 
@@ -770,8 +800,34 @@ def _reduce(spec, x, shape, dtype):
     return x.reshape(shape).astype(dtype, copy=False)
 
 
+def _mask_groups(spec, lay, nb: int) -> list[list[tuple[int, int]]]:
+    """``(batch index, KV head)`` pairs grouped by the float-mask elements their
+    gradients reach (one pair per group without a float mask), in a fixed order."""
+    pairs = [(bi, hk) for bi in range(nb) for hk in range(spec.Hkv)]
+    if spec.mask_kind != "float":
+        return [[p] for p in pairs]
+    shape = lay.mask_padded_shape
+    lead_shape = shape[:-3]
+    heads_shared = shape[-3] == 1
+
+    def owner(pair: tuple[int, int]) -> tuple[Any, ...]:
+        b = lay.lead_index[pair[0]]
+        mb = tuple(0 if d == 1 else i for i, d in zip(b, lead_shape, strict=True))
+        return mb + ((0,) if heads_shared else (pair[1],))
+
+    groups: dict[tuple[Any, ...], list[tuple[int, int]]] = {}
+    for p in pairs:
+        groups.setdefault(owner(p), []).append(p)
+    return list(groups.values())
+
+
 def _backward_unit(spec, ctx, st, unit):
-    bi, hk, chunk, spans = unit
+    members, chunk, spans = unit
+    for bi, hk in members:
+        _backward_pair(spec, ctx, st, bi, hk, chunk, spans)
+
+
+def _backward_pair(spec, ctx, st, bi, hk, chunk, spans):
     lay = ctx["lay"]
     b = lay.lead_index[bi]
     heads = lay.heads_of(hk)
@@ -897,7 +953,8 @@ def _backward_block(spec, ctx, st, structure, bi, b, h, hk, r0, r1, c0, c1, dq, 
 
 def _add_mask_grad(spec, ctx, b, h, r0, r1, c0, c1, g):
     """Accumulate the gradient of a float mask block into the mask's own (broadcast)
-    shape; units of different heads may share those elements, hence the lock."""
+    shape. The units that share mask elements are one unit (``_mask_groups``), so this
+    runs without a lock and always in the same order."""
     acc = ctx["d_mask_acc"]
     nd = acc.ndim
     idx = []
@@ -914,9 +971,8 @@ def _add_mask_grad(spec, ctx, b, h, r0, r1, c0, c1, g):
         idx.append(slice(0, 1))
     else:
         idx.append(slice(c0, c1))
-    with ctx["mask_lock"]:
-        view = acc[tuple(idx)]
-        np.add(view, g, out=view)
+    view = acc[tuple(idx)]
+    np.add(view, g, out=view)
 
 
 def _register() -> None:
