@@ -117,7 +117,10 @@ def forward(
     # The static bound needs a pass over all of K (its row norms): worth it when the
     # passes it saves over each tile's scores (the row max and the shift) cost more,
     # i.e. with many stacked rows; decode tiles read K once, in the product, instead.
-    static_bound = _nf._static_bounds(spec, lay) if heads * n >= STATIC_MIN_ROWS else None
+    lay.prepare_garbage()
+    # Non-finite values: the exact path, which tracks the rows that attend to them.
+    use_static = heads * n >= STATIC_MIN_ROWS and lay.v_bad is None
+    static_bound = _nf._static_bounds(spec, lay) if use_static else None
 
     # Tiles: (batch, KV head, head chunk of its group, row block) with their key range.
     tiles = []
@@ -253,6 +256,8 @@ def _rows(spec, lay, st, bi, hk, h0, h1, r0, r1, c_lo, c_hi, width, out_t, lse_t
     dropout = spec.dropout_p > 0
     structure = lay.structs[bi]
     first = True
+    # P @ bad: non-zero on rows giving weight to a non-finite value row (made NaN).
+    touched = None if lay.v_bad is None else np.zeros((R,), cd)
     for c0, c1 in _nf._key_spans(structure, r0, r1, c_lo, c_hi, width):
         w = c1 - c0
         s = st.s[:R, :w]
@@ -265,6 +270,8 @@ def _rows(spec, lay, st, bi, hk, h0, h1, r0, r1, c_lo, c_hi, width, out_t, lse_t
             um = lay.mask[b + (slice(h0, h1), slice(r0, r1), slice(c0, c1))]
             if spec.mask_kind == "float":
                 np.add(s3, um, out=s3)
+                if lay.qk_garbage:  # garbage score + (-inf) is NaN: -inf still excludes
+                    np.copyto(s3, -np.inf, where=np.isneginf(um))
             else:
                 excluded = np.logical_not(um, out=st.bool[:R, :w].reshape(nh, n, w))
                 np.copyto(s3, -np.inf, where=excluded)
@@ -280,6 +287,8 @@ def _rows(spec, lay, st, bi, hk, h0, h1, r0, r1, c_lo, c_hi, width, out_t, lse_t
                 alpha = np.exp(m - shift)  # m = -inf gives 0: nothing accumulated yet
                 np.multiply(acc, alpha[:, None], out=acc)
                 np.multiply(l_sum, alpha, out=l_sum)
+                if touched is not None:
+                    np.multiply(touched, alpha, out=touched)
             m = m_new
             np.subtract(s, shift[:, None], out=s)
             np.exp(s, out=s)
@@ -295,7 +304,9 @@ def _rows(spec, lay, st, bi, hk, h0, h1, r0, r1, c_lo, c_hi, width, out_t, lse_t
                 np.arange(c0, c1, dtype=np.int32),
             )
             np.multiply(s3, keep, out=s3)
-        v_blk = lay.v[b + (hk, slice(c0, c1))]
+        v_blk = lay.v_op[b + (hk, slice(c0, c1))]
+        if touched is not None:
+            touched += s @ lay.v_bad[b + (hk, slice(c0, c1))]
         if first:
             np.matmul(s, v_blk, out=acc)
         else:
@@ -315,5 +326,7 @@ def _rows(spec, lay, st, bi, hk, h0, h1, r0, r1, c_lo, c_hi, width, out_t, lse_t
     if dropout:
         inv *= 1.0 / (1.0 - spec.dropout_p)
     np.multiply(acc.reshape(nh, n, -1), inv.reshape(nh, n, 1), out=out_t)
+    if touched is not None:
+        out_t[touched.reshape(nh, n) != 0] = np.nan
     lse_t[...] = lse_r.reshape(nh, n)
     return True
