@@ -16,7 +16,7 @@ from .merge import merge_attention_states
 from .norms import layer_norm, rms_norm
 from .rope import apply_rope, rope_frequencies
 from .rope_multi import grid_positions, mrope_frequencies, multi_axis_rope_frequencies, wan_axes_dim
-from .rope_scaling import ROPE_TYPES, rope_inv_freq
+from .rope_scaling import ROPE_TYPES, rope_inv_freq, rope_kwargs_from_config
 from .sinusoidal import sinusoidal_embedding
 from .softmax import softmax
 from .varlen import varlen_attention
@@ -52,6 +52,7 @@ __all__ = [
     "rope_frequencies",
     "apply_rope",
     "rope_inv_freq",
+    "rope_kwargs_from_config",
     "ROPE_TYPES",
     "multi_axis_rope_frequencies",
     "mrope_frequencies",

@@ -17,13 +17,14 @@ from typing import Any
 
 from .._backend import Array, resolve_namespace
 
-__all__ = ["ROPE_TYPES", "rope_inv_freq"]
+__all__ = ["ROPE_TYPES", "rope_inv_freq", "rope_kwargs_from_config"]
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 # Old configs name the type "type"; Qwen2-VL's "mrope" is the default ladder (the sections
-# only say which position each frequency reads: ``mrope_frequencies``).
-_ALIASES = {"mrope": "default"}
+# only say which position each frequency reads: ``mrope_frequencies``); early Phi-3
+# configs call LongRoPE "su".
+_ALIASES = {"mrope": "default", "su": "longrope"}
 
 
 def _positive(name: str, value: Any, *, integral: bool = False) -> float:
@@ -333,3 +334,82 @@ def rope_inv_freq(
     )
     ns = resolve_namespace(xp)
     return ns.asarray(values, dtype=real_dtype(ns, dtype), device=device), attention_factor
+
+
+def rope_kwargs_from_config(
+    config: Mapping[str, Any], *, layer_type: str | None = None
+) -> dict[str, Any]:
+    """The RoPE keywords of a Hugging Face ``config.json`` (a dict), for
+    :func:`rope_frequencies` / :func:`rope_inv_freq`.
+
+    Reads, as ``transformers`` standardises them: ``rope_parameters`` (new) or
+    ``rope_scaling`` (old), ``rope_theta`` (top level in old configs, GPT-NeoX's
+    ``rotary_emb_base``; default 10000),
+    ``partial_rotary_factor`` (or GPT-NeoX's ``rotary_pct``), ``head_dim`` (else
+    ``hidden_size // num_attention_heads``), ``max_position_embeddings``, and a top-level
+    ``original_max_position_embeddings`` (Phi-3), which wins for ``llama3``/``yarn``/
+    ``longrope``. Configs whose ``rope_parameters`` are per layer type (keys from
+    ``layer_types``, e.g. ``"full_attention"``, ``"sliding_attention"``) need
+    ``layer_type``. Model-specific defaults that live in a model's Python config class
+    rather than in ``config.json`` are not known here.
+
+    Returns:
+        ``{"head_dim", "rope_scaling", "theta", "partial_rotary_factor",
+        "max_position_embeddings"}``: pass them with the positions,
+        ``rope_frequencies(positions=pos, seq_len=..., **kwargs)``.
+
+    Examples:
+        >>> import numpy as np
+        >>> import arrayattn as aa
+        >>> config = {"hidden_size": 4096, "num_attention_heads": 32,
+        ...           "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        ...           "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+        ...                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        ...                            "original_max_position_embeddings": 8192}}
+        >>> kw = aa.rope_kwargs_from_config(config)
+        >>> kw["head_dim"], kw["theta"]
+        (128, 500000.0)
+        >>> aa.rope_frequencies(positions=4, **kw).shape
+        (4, 64)
+    """
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config must be a dict (config.json), got {type(config).__name__}")
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(params, Mapping):
+        raise TypeError(f"config's rope_parameters/rope_scaling must be a dict, got {params!r}")
+    labels = config.get("layer_types") or ()
+    nested = [k for k in params if k in labels]
+    if nested:
+        if layer_type not in nested:
+            raise ValueError(
+                f"config's rope_parameters are per layer type {sorted(nested)}: pass "
+                f"layer_type= one of them, got {layer_type!r}"
+            )
+        params = params[layer_type]
+    elif layer_type is not None:
+        raise ValueError(
+            f"layer_type={layer_type!r} given but config's rope_parameters are not per layer type"
+        )
+    params = dict(params or {})
+    head_dim = config.get("head_dim")
+    if head_dim is None:
+        try:
+            head_dim = int(config["hidden_size"]) // int(config["num_attention_heads"])
+        except KeyError as e:
+            raise ValueError(
+                f"config has neither head_dim nor hidden_size and num_attention_heads ({e})"
+            ) from None
+    partial = config.get("partial_rotary_factor", config.get("rotary_pct"))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in ("llama3", "yarn", "longrope", "su") and (
+        config.get("original_max_position_embeddings") is not None
+    ):
+        params["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+    theta = config.get("rope_theta", config.get("rotary_emb_base"))
+    return {
+        "head_dim": int(head_dim),
+        "rope_scaling": params or None,
+        "theta": 10000.0 if theta is None else float(theta),
+        "partial_rotary_factor": None if partial is None else float(partial),
+        "max_position_embeddings": config.get("max_position_embeddings"),
+    }

@@ -286,3 +286,139 @@ def test_errors():
         aa.rope_inv_freq(8, {"rope_theta": -1.0})
     with pytest.raises(ValueError, match="seq_len"):
         aa.rope_inv_freq(8, None, seq_len=-1)
+
+
+# --- whole config.json dicts, read as transformers reads them ---------------------------
+
+LLAMA31 = {
+    "model_type": "llama",
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 1024,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 128,
+    },
+}
+PHI3 = {  # longrope, the pretraining length at the top level (it wins)
+    "model_type": "phi3",
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 1024,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.5,
+    "rope_scaling": {
+        "type": "longrope",
+        "short_factor": [1.0 + 0.1 * j for j in range(8)],
+        "long_factor": [2.0 + 0.7 * j for j in range(8)],
+        "original_max_position_embeddings": 999,
+    },
+}
+GPT_OSS = {  # yarn with truncate false, new rope_parameters format
+    "model_type": "gpt_oss",
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 4096,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 128,
+        "rope_theta": 150000.0,
+    },
+}
+NEOX = {  # GPT-NeoX's rotary_pct
+    "model_type": "gpt_neox",
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 256,
+    "rotary_pct": 0.25,
+    "rotary_emb_base": 20000,
+}
+GEMMA3 = {  # rope parameters per layer type
+    "model_type": "gemma3_text",
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "num_hidden_layers": 2,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "max_position_embeddings": 1024,
+    "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "config, layer_type, seq_len",
+    [
+        (LLAMA31, None, None),
+        (PHI3, None, 32),
+        (PHI3, None, 200),
+        (GPT_OSS, None, None),
+        (NEOX, None, None),
+        (GEMMA3, "full_attention", None),
+        (GEMMA3, "sliding_attention", None),
+    ],
+    ids=[
+        "llama3.1",
+        "phi3-short",
+        "phi3-long",
+        "gpt-oss",
+        "gpt-neox",
+        "gemma3-full",
+        "gemma3-sliding",
+    ],
+)
+def test_kwargs_from_config_equal_hf_rotary(config, layer_type, seq_len):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import importlib
+
+    mt = config["model_type"].replace("_text", "")
+    conf_module = importlib.import_module(f"transformers.models.{mt}.configuration_{mt}")
+    config_cls = next(
+        c
+        for c in vars(conf_module).values()
+        if isinstance(c, type) and getattr(c, "model_type", None) == config["model_type"]
+    )
+    cfg = config_cls(**{k: v for k, v in config.items() if k != "model_type"})
+    module = importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
+    rotary_cls = next(
+        getattr(module, n)
+        for n in dir(module)
+        if n.endswith("RotaryEmbedding") and "Vision" not in n
+    )
+    rotary = rotary_cls(cfg)
+    prefix = "" if layer_type is None else f"{layer_type}_"
+    if seq_len is not None:  # HF's run-time update (longrope picks its factors by length)
+        x = torch.zeros(1, dtype=torch.float32)
+        rotary(x, torch.arange(seq_len)[None])
+    expected = getattr(rotary, f"{prefix}inv_freq").numpy()
+    expected_af = getattr(rotary, f"{prefix}attention_scaling")
+    kw = aa.rope_kwargs_from_config(config, layer_type=layer_type)
+    got, af = aa.rope_inv_freq(**kw, seq_len=seq_len, dtype=np.float64)
+    np.testing.assert_allclose(got, expected, rtol=5e-7)
+    assert af == pytest.approx(expected_af, rel=1e-12)
+
+
+def test_kwargs_from_config_errors():
+    with pytest.raises(ValueError, match="layer_type"):
+        aa.rope_kwargs_from_config(GEMMA3)
+    with pytest.raises(ValueError, match="layer_type"):
+        aa.rope_kwargs_from_config(LLAMA31, layer_type="full_attention")
+    with pytest.raises(ValueError, match="head_dim"):
+        aa.rope_kwargs_from_config({"rope_theta": 10.0})
+    with pytest.raises(TypeError, match="config"):
+        aa.rope_kwargs_from_config([("rope_theta", 10.0)])
