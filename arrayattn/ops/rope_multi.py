@@ -11,8 +11,8 @@ Two conventions exist in the wild and both are built here as the complex factors
   of its section's axis (Qwen3-VL interleaves the sections instead).
 
 Both reduce to "frequency ``j`` reads axis ``axis_of[j]`` and has inverse frequency
-``inv_freq[j]``". The position each frequency reads is picked by a matmul with a 0/1
-matrix, which is exact and needs no gather (absent from the standard).
+``inv_freq[j]``". The position each frequency reads is picked by masking, which is exact
+and needs no gather (absent from the standard).
 """
 
 from __future__ import annotations
@@ -62,13 +62,21 @@ def _check_positions(positions: Array, n_axes: int, what: str) -> tuple[Any, Any
 def _angles(
     xp: Any, positions: Array, axis_of: list[int], inv_freq: list[float], real: Any, device: Any
 ) -> Array:
-    """``angles[..., j] = positions[..., axis_of[j]] * inv_freq[j]``."""
-    n_axes = int(positions.shape[-1])
-    onehot = [[1.0 if axis_of[j] == a else 0.0 for j in range(len(axis_of))] for a in range(n_axes)]
+    """``angles[..., j] = positions[..., axis_of[j]] * inv_freq[j]``, without a gather.
+
+    Each axis contributes ``positions[..., a] * w_a`` where ``w_a`` is ``inv_freq`` on
+    that axis's frequencies and 0 elsewhere; adding exact zeros keeps every angle the one
+    product ``pos * inv_freq``. (Elementwise on purpose: a matmul with a 0/1 matrix would
+    be exact too, but some backends run float32 matmuls in TF32 on GPUs.)"""
     pos = xp.astype(positions, real)
-    # (..., A) @ (A, F): each output is one position times 1 plus zeros, so exact.
-    picked = xp.matmul(pos, xp.asarray(onehot, dtype=real, device=device))
-    return picked * xp.asarray(inv_freq, dtype=real, device=device)
+    angles = None
+    for a in range(int(positions.shape[-1])):
+        w = [f if axis == a else 0.0 for f, axis in zip(inv_freq, axis_of, strict=True)]
+        if not any(w):
+            continue
+        term = pos[..., a : a + 1] * xp.asarray(w, dtype=real, device=device)
+        angles = term if angles is None else angles + term
+    return angles
 
 
 def multi_axis_rope_frequencies(
