@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _helpers import check_vjp_fd, name_of_dtype, thin, xp_assert_close
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import arrayattn as aa
 
@@ -422,3 +424,65 @@ def test_kwargs_from_config_errors():
         aa.rope_kwargs_from_config({"rope_theta": 10.0})
     with pytest.raises(TypeError, match="config"):
         aa.rope_kwargs_from_config([("rope_theta", 10.0)])
+
+
+# --- random configs of every type against transformers ---------------------------------
+
+
+@st.composite
+def _random_config(draw):
+    kind = draw(st.sampled_from(["linear", "dynamic", "llama3", "yarn", "longrope"]))
+    head_dim = draw(st.sampled_from([16, 32, 64, 80, 128]))
+    partial = draw(st.sampled_from([1.0, 0.5, 0.25]))
+    rotary = int(head_dim * partial)
+    params = {
+        "rope_type": kind,
+        "rope_theta": draw(st.sampled_from([10000.0, 500000.0, 1e6, 123.0])),
+        "partial_rotary_factor": partial,
+    }
+    factor = draw(st.floats(1.0, 64.0))
+    original = draw(st.sampled_from([16, 128, 2048]))
+    if kind in ("linear", "dynamic", "llama3", "yarn"):
+        params["factor"] = factor
+    if kind in ("llama3", "yarn", "longrope"):
+        params["original_max_position_embeddings"] = original
+    if kind == "llama3":
+        low = draw(st.floats(0.5, 2.0))
+        params.update(low_freq_factor=low, high_freq_factor=low + draw(st.floats(0.5, 8.0)))
+    if kind == "yarn":
+        params["beta_fast"] = draw(st.sampled_from([None, 8, 32, 64]))
+        params["beta_slow"] = draw(st.sampled_from([None, 1, 2]))
+        params["truncate"] = draw(st.booleans())
+        if draw(st.booleans()):
+            params.update(
+                mscale=draw(st.floats(0.5, 2.0)), mscale_all_dim=draw(st.floats(0.5, 2.0))
+            )
+    if kind == "longrope":
+        n = rotary // 2
+        params["short_factor"] = draw(st.lists(st.floats(1.0, 4.0), min_size=n, max_size=n))
+        params["long_factor"] = draw(st.lists(st.floats(1.0, 64.0), min_size=n, max_size=n))
+        params["factor"] = factor
+    seq_len = draw(st.sampled_from([None, 8, 3000, 70000]))
+    return head_dim, params, seq_len
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(_random_config())
+def test_random_configs_equal_hf(case):
+    head_dim, params, seq_len = case
+    torch, LlamaConfig, INIT, _, _ = _hf()
+    mpe = 4096  # above every original length drawn (transformers checks llama3's)
+    cfg = LlamaConfig(
+        hidden_size=4 * head_dim,
+        num_attention_heads=4,
+        head_dim=head_dim,
+        max_position_embeddings=mpe,
+        rope_parameters=dict(params),
+    )
+    expected, expected_af = INIT[params["rope_type"]](cfg, "cpu", seq_len=seq_len)
+    got, af = aa.rope_inv_freq(
+        head_dim, params, max_position_embeddings=mpe, seq_len=seq_len, dtype=np.float64
+    )
+    # float32 in transformers: a few ulps, more where llama3's blend cancels
+    np.testing.assert_allclose(got, expected.numpy(), rtol=2e-6, atol=0)
+    assert af == pytest.approx(expected_af, rel=1e-12)
