@@ -29,7 +29,8 @@ wan = _load_example()
 
 
 def _torch_wan(torch, dim, ffn_dim, num_heads, freq_dim, text_len, eps=1e-6):
-    """Wan2.1's block + time embedding in float64 (dtype casts to bf16/fp16 dropped)."""
+    """Wan2.1's block + time embedding; float64 here (its casts to float32 become casts to
+    the model's dtype; the bf16/fp16 parameter casts of some copies are dropped)."""
     nn = torch.nn
 
     def sinusoidal_embedding_1d(d, position):
@@ -64,7 +65,7 @@ def _torch_wan(torch, dim, ffn_dim, num_heads, freq_dim, text_len, eps=1e-6):
             ).reshape(seq_len, 1, -1)
             x_i = torch.view_as_real(x_i * freqs_i).flatten(2)
             output.append(torch.cat([x_i, x[i, seq_len:]]))
-        return torch.stack(output)
+        return torch.stack(output).to(x.dtype)  # Wan2.1: .float(); a no-op in float64
 
     def attention(q, k, v):  # (B, L, N, d) -> (B, L, N, d), full softmax attention
         q, k, v = (a.transpose(1, 2) for a in (q, k, v))
@@ -140,7 +141,8 @@ def _torch_wan(torch, dim, ffn_dim, num_heads, freq_dim, text_len, eps=1e-6):
             )
 
         def forward(self, x, t, context, grid_sizes):
-            e = self.time_embedding(sinusoidal_embedding_1d(freq_dim, t))
+            # Wan2.1: .float() on the float64 embedding; the model's dtype here
+            e = self.time_embedding(sinusoidal_embedding_1d(freq_dim, t).to(x.dtype))
             e0 = self.time_projection(e).unflatten(1, (6, dim))
             e = (self.modulation + e0).chunk(6, dim=1)
             y = self.self_attn(self.norm1(x) * (1 + e[1]) + e[0], grid_sizes, self.freqs)
