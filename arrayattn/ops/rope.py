@@ -213,6 +213,12 @@ def apply_rope(x: Array, freqs: Array, *, layout: str = "interleaved") -> Array:
     ``layout="interleaved"`` pairs features ``(2j, 2j+1)`` (Meta LLaMA);
     ``layout="half"`` pairs ``(j, j + F)`` (Hugging Face ``rotate_half``).
 
+    ``freqs`` need not have magnitude 1: the factors of ``rope_frequencies(...,
+    rope_scaling=yarn)`` carry the attention factor, as Hugging Face's scaled ``cos`` and
+    ``sin`` do, and the multi-axis builders (``multi_axis_rope_frequencies``,
+    ``mrope_frequencies``) give factors of the same shape, so every variant goes through
+    here. The backward multiplies by ``conj(freqs)`` in every case.
+
     Examples:
         >>> import numpy as np
         >>> import arrayattn as aa
