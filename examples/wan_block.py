@@ -13,7 +13,8 @@ that drives it, written with arrayattn ops only:
   (``multi_axis_rope_frequencies``), gated residual;
 - image-to-video cross-attention: one query against the text tokens and one against the
   image (CLIP) tokens, each with its own RMSNorm'd keys, the two outputs summed before the
-  output projection; plain residual;
+  output projection; plain residual (``image_context=False``, ``--t2v``: text only, as
+  Wan2.1's text-to-video blocks);
 - the tanh-GELU feed-forward network on the modulated LayerNorm, gated residual.
 
 Parameters are a dict named as Wan2.1's state dict (``self_attn.q.weight``,
@@ -23,7 +24,7 @@ output and a pullback giving the gradients of ``x``, of both contexts and of eve
 parameter, composed from the ops' pullbacks (``arrayattn.vjp``): no autograd engine.
 
     python examples/wan_block.py [--xp numpy|cupy] [--frames 2 --height 4 --width 4]
-                                 [--dim 128 --heads 4] [--check]
+                                 [--dim 128 --heads 4] [--t2v] [--check]
 
 ``--check`` compares the pullback with central finite differences along a random
 direction, in float64.
@@ -82,6 +83,7 @@ class WanBlock:
     freq_dim: int = 64  # width of the sinusoidal timestep embedding
     eps: float = 1e-6
     cross_attn_norm: bool = True  # WanModel's default: affine LayerNorm before cross-attn
+    image_context: bool = True  # I2V cross-attention (text + image); False: T2V (text only)
     theta: float = 10000.0
 
     def __post_init__(self) -> None:
@@ -108,13 +110,14 @@ class WanBlock:
         for proj in ("q", "k", "v", "o"):
             shapes[f"self_attn.{proj}.weight"] = (d, d)
             shapes[f"self_attn.{proj}.bias"] = (d,)
-        for proj in ("q", "k", "v", "o", "k_img", "v_img"):
+        image = ("k_img", "v_img") if self.image_context else ()
+        for proj in ("q", "k", "v", "o") + image:
             shapes[f"cross_attn.{proj}.weight"] = (d, d)
             shapes[f"cross_attn.{proj}.bias"] = (d,)
         for norm in ("self_attn.norm_q", "self_attn.norm_k"):
             shapes[f"{norm}.weight"] = (d,)
-        for norm in ("cross_attn.norm_q", "cross_attn.norm_k", "cross_attn.norm_k_img"):
-            shapes[f"{norm}.weight"] = (d,)
+        for norm in ("norm_q", "norm_k") + (("norm_k_img",) if self.image_context else ()):
+            shapes[f"cross_attn.{norm}.weight"] = (d,)
         if self.cross_attn_norm:
             shapes["norm3.weight"] = (d,)
             shapes["norm3.bias"] = (d,)
@@ -158,8 +161,8 @@ class WanBlock:
 
         Shapes: ``x`` ``(B, F*H*W, dim)`` patch tokens in (frame, height, width) order;
         ``t`` ``(B,)`` timesteps; ``context`` ``(B, Lt, dim)`` text tokens;
-        ``context_img`` ``(B, Li, dim)`` image tokens; ``grid`` ``(F, H, W)`` -> ``x``'s
-        shape.
+        ``context_img`` ``(B, Li, dim)`` image tokens (``None`` for a T2V block,
+        ``image_context=False``); ``grid`` ``(F, H, W)`` -> ``x``'s shape.
         """
         return self._forward(_Tape(), params, x, t, context, context_img, grid)[0]
 
@@ -173,7 +176,7 @@ class WanBlock:
         grid: tuple[int, int, int],
     ) -> tuple[Any, Callable[[Any], tuple[Any, Any, Any, Params]]]:
         """``(out, pullback)``; ``pullback(d_out) -> (dx, d_context, d_context_img,
-        d_params)`` (``t`` is not differentiated)."""
+        d_params)`` (``t`` is not differentiated; ``d_context_img`` is ``None`` for T2V)."""
         tape = _Tape()
         out, saved = self._forward(tape, params, x, t, context, context_img, grid)
 
@@ -195,6 +198,12 @@ class WanBlock:
         B, L, D = (int(s) for s in x.shape)
         if L != math.prod(grid):
             raise ValueError(f"x has {L} tokens but grid {tuple(grid)} holds {math.prod(grid)}")
+        if (context_img is None) == self.image_context:
+            raise ValueError(
+                "context_img must be given for an I2V block (image_context=True) and None "
+                f"for a T2V one; image_context={self.image_context}, context_img is "
+                f"{'None' if context_img is None else 'given'}"
+            )
         s: dict[str, Any] = {}
 
         # timestep -> six modulation vectors (B, 6, D)
@@ -221,10 +230,9 @@ class WanBlock:
         cin = x2
         if self.cross_attn_norm:
             cin = tape("norm3", aa.layer_norm, x2, p["norm3.weight"], p["norm3.bias"], eps=self.eps)
-        sources = [
-            (context, context, "k", "v", None),
-            (context_img, context_img, "k_img", "v_img", None),
-        ]
+        sources = [(context, context, "k", "v", None)]
+        if self.image_context:
+            sources.append((context_img, context_img, "k_img", "v_img", None))
         x3 = x2 + self._attention(tape, "cross_attn", p, cin, sources)
 
         # feed-forward network on the modulated LayerNorm, gated residual
@@ -316,11 +324,10 @@ class WanBlock:
         d_x3 = d_x3 + tape.back("norm2", d_fin * (1 + m[4]))[0]
 
         # x3 = x2 + cross_attn(cin)
-        d_cin, d_src = self._attention_back(
-            tape, "cross_attn", d_x3, [("k", "v", False), ("k_img", "v_img", False)], grads
-        )
-        (d_ctx_k, d_ctx_v), (d_img_k, d_img_v) = d_src
-        d_context, d_context_img = d_ctx_k + d_ctx_v, d_img_k + d_img_v
+        sources = [("k", "v", False)] + ([("k_img", "v_img", False)] if self.image_context else [])
+        d_cin, d_src = self._attention_back(tape, "cross_attn", d_x3, sources, grads)
+        d_context = d_src[0][0] + d_src[0][1]
+        d_context_img = d_src[1][0] + d_src[1][1] if self.image_context else None
         d_x2 = d_x3
         if self.cross_attn_norm:
             d_cin, grads["norm3.weight"], grads["norm3.bias"] = tape.back("norm3", d_cin)
@@ -367,7 +374,8 @@ def random_inputs(
     device: Any = None,
     dtype: Any = None,
 ) -> tuple[Any, Any, Any, Any]:
-    """``(x, t, context, context_img)`` drawn with NumPy and moved to ``xp``."""
+    """``(x, t, context, context_img)`` drawn with NumPy and moved to ``xp``
+    (``context_img`` is ``None`` for a T2V block)."""
     ns = resolve_namespace(xp)
     rng = np.random.default_rng(seed)
     dt = ns.float32 if dtype is None else dtype
@@ -381,7 +389,7 @@ def random_inputs(
         arr((batch, L, block.dim)),
         t,
         arr((batch, text_len, block.dim)),
-        arr((batch, image_len, block.dim)),
+        arr((batch, image_len, block.dim)) if block.image_context else None,
     )
 
 
@@ -397,14 +405,19 @@ def _directional_check(block: WanBlock, grid: tuple[int, int, int], xp: Any) -> 
     dirs = {
         k: xp.asarray(rng.standard_normal(tuple(v.shape)), dtype=f64) for k, v in params.items()
     }
-    vx, vc, vi = (xp.asarray(rng.standard_normal(tuple(a.shape)), dtype=f64) for a in (x, ctx, img))
-    analytic = float(xp.sum(dx * vx) + xp.sum(dctx * vc) + xp.sum(dimg * vi))
+    vx, vc = (xp.asarray(rng.standard_normal(tuple(a.shape)), dtype=f64) for a in (x, ctx))
+    analytic = float(xp.sum(dx * vx) + xp.sum(dctx * vc))
+    vi = None
+    if img is not None:
+        vi = xp.asarray(rng.standard_normal(tuple(img.shape)), dtype=f64)
+        analytic += float(xp.sum(dimg * vi))
     analytic += sum(float(xp.sum(dp[k] * dirs[k])) for k in params)
     eps = 1e-6
 
     def value(sign: float) -> float:
         p = {k: params[k] + sign * eps * dirs[k] for k in params}
-        y = block(p, x + sign * eps * vx, t, ctx + sign * eps * vc, img + sign * eps * vi, grid)
+        im = None if img is None else img + sign * eps * vi
+        y = block(p, x + sign * eps * vx, t, ctx + sign * eps * vc, im, grid)
         return float(xp.sum(y * c))
 
     numeric = (value(1.0) - value(-1.0)) / (2 * eps)
@@ -421,6 +434,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--t2v", action="store_true", help="text-only cross-attention (T2V)")
     ap.add_argument("--check", action="store_true", help="finite-difference check (float64)")
     args = ap.parse_args(argv)
     if args.xp == "cupy":
@@ -428,13 +442,16 @@ def main(argv: list[str] | None = None) -> None:
     else:
         import array_api_compat.numpy as xp
     grid = (args.frames, args.height, args.width)
-    block = WanBlock(dim=args.dim, ffn_dim=2 * args.dim, num_heads=args.heads)
+    block = WanBlock(
+        dim=args.dim, ffn_dim=2 * args.dim, num_heads=args.heads, image_context=not args.t2v
+    )
     params = block.init(seed=0, xp=xp)
     x, t, ctx, img = random_inputs(block, grid, batch=args.batch, xp=xp)
     print(
         f"Wan2.1 block on {args.xp}: B={args.batch}, grid (F, H, W)={grid} -> "
         f"{math.prod(grid)} tokens, dim={block.dim}, heads={block.num_heads}, "
-        f"head_dim={block.head_dim} split {aa.wan_axes_dim(block.head_dim)} for RoPE"
+        f"head_dim={block.head_dim} split {aa.wan_axes_dim(block.head_dim)} for RoPE, "
+        f"{'T2V' if args.t2v else 'I2V'} cross-attention"
     )
     for i in range(args.repeat):
         t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """examples/wan_block.py against a float64 torch transcription of Wan2.1's attention
 block (``wan/modules/model.py``: ``sinusoidal_embedding_1d``, ``rope_params``,
 ``rope_apply``, ``WanRMSNorm``, ``WanLayerNorm``, ``WanSelfAttention``,
-``WanI2VCrossAttention``, ``WanAttentionBlock`` and the model's time embedding), written
+``WanT2VCrossAttention``, ``WanI2VCrossAttention``, ``WanAttentionBlock`` and the model's time embedding), written
 out below: forward, and gradients of the inputs and of every parameter (torch autograd)."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _load_example():
 wan = _load_example()
 
 
-def _torch_wan(torch, dim, ffn_dim, num_heads, freq_dim, text_len, eps=1e-6):
+def _torch_wan(torch, dim, ffn_dim, num_heads, freq_dim, text_len, eps=1e-6, i2v=True):
     """Wan2.1's block + time embedding; float64 here (its casts to float32 become casts to
     the model's dtype; the bf16/fp16 parameter casts of some copies are dropped)."""
     nn = torch.nn
@@ -94,6 +94,14 @@ def _torch_wan(torch, dim, ffn_dim, num_heads, freq_dim, text_len, eps=1e-6):
             x = attention(rope_apply(q, grid_sizes, freqs), rope_apply(k, grid_sizes, freqs), v)
             return self.o(x.flatten(2))
 
+    class T2VCrossAttention(SelfAttention):
+        def forward(self, x, context):
+            b, n, d = x.size(0), num_heads, dim // num_heads
+            q = self.norm_q(self.q(x)).view(b, -1, n, d)
+            k = self.norm_k(self.k(context)).view(b, -1, n, d)
+            v = self.v(context).view(b, -1, n, d)
+            return self.o(attention(q, k, v).flatten(2))
+
     class I2VCrossAttention(SelfAttention):
         def __init__(self):
             super().__init__()
@@ -124,7 +132,7 @@ def _torch_wan(torch, dim, ffn_dim, num_heads, freq_dim, text_len, eps=1e-6):
             self.norm1 = nn.LayerNorm(dim, eps=eps, elementwise_affine=False)
             self.self_attn = SelfAttention()
             self.norm3 = nn.LayerNorm(dim, eps=eps, elementwise_affine=True)
-            self.cross_attn = I2VCrossAttention()
+            self.cross_attn = I2VCrossAttention() if i2v else T2VCrossAttention()
             self.norm2 = nn.LayerNorm(dim, eps=eps, elementwise_affine=False)
             self.ffn = nn.Sequential(
                 nn.Linear(dim, ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(ffn_dim, dim)
@@ -156,20 +164,24 @@ def _torch_wan(torch, dim, ffn_dim, num_heads, freq_dim, text_len, eps=1e-6):
 
 @pytest.mark.parametrize(
     "dim, heads, grid, text_len, image_len",
-    [(48, 4, (2, 2, 3), 5, 3), (36, 3, (1, 3, 2), 4, 2)],
+    [(48, 4, (2, 2, 3), 5, 3), (36, 3, (1, 3, 2), 4, 2), (24, 2, (2, 1, 2), 3, 0)],
+    ids=["i2v-48", "i2v-36", "t2v-24"],
 )
 def test_block_equals_wan_forward_and_gradients(dim, heads, grid, text_len, image_len):
     torch = pytest.importorskip("torch")
-    block = wan.WanBlock(dim=dim, ffn_dim=2 * dim, num_heads=heads, freq_dim=16)
+    i2v = image_len > 0
+    block = wan.WanBlock(dim=dim, ffn_dim=2 * dim, num_heads=heads, freq_dim=16, image_context=i2v)
     params = block.init(seed=3, xp=np, dtype=np.float64)
     x, t, ctx, img = wan.random_inputs(
         block, grid, text_len=text_len, image_len=image_len, xp=np, dtype=np.float64
     )
-    ref = _torch_wan(torch, dim, 2 * dim, heads, 16, text_len)
+    ref = _torch_wan(torch, dim, 2 * dim, heads, 16, text_len, i2v=i2v)
     # the example's names are Wan2.1's: the state dict loads strictly
     ref.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()}, strict=True)
-    tx, tctx, timg = (torch.from_numpy(a).requires_grad_() for a in (x, ctx, img))
-    expected = ref(tx, torch.from_numpy(t), torch.cat([timg, tctx], dim=1), [grid] * x.shape[0])
+    tx, tctx = (torch.from_numpy(a).requires_grad_() for a in (x, ctx))
+    timg = torch.from_numpy(img).requires_grad_() if i2v else None
+    context = torch.cat([timg, tctx], dim=1) if i2v else tctx
+    expected = ref(tx, torch.from_numpy(t), context, [grid] * x.shape[0])
 
     out, pullback = block.vjp(params, x, t, ctx, img, grid)
     np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-10, atol=1e-10)
@@ -177,8 +189,10 @@ def test_block_equals_wan_forward_and_gradients(dim, heads, grid, text_len, imag
     cot = np.random.default_rng(4).standard_normal(out.shape)
     expected.backward(torch.from_numpy(cot))
     dx, dctx, dimg, dparams = pullback(cot)
-    for got, want, name in ((dx, tx, "x"), (dctx, tctx, "context"), (dimg, timg, "context_img")):
+    pairs = [(dx, tx, "x"), (dctx, tctx, "context")] + ([(dimg, timg, "img")] if i2v else [])
+    for got, want, name in pairs:
         np.testing.assert_allclose(got, want.grad.numpy(), rtol=1e-9, atol=1e-9, err_msg=name)
+    assert i2v or dimg is None
     named = dict(ref.named_parameters())
     assert set(dparams) == set(named)
     for name, g in dparams.items():
@@ -214,10 +228,11 @@ def test_block_on_backend(backend):
 
 
 def test_script_runs_with_its_check(capsys):
-    wan.main(["--dim", "24", "--heads", "2", "--frames", "1", "--height", "2", "--width", "3",
-              "--repeat", "1", "--check"])  # fmt: skip
-    text = capsys.readouterr().out
-    assert "finite-difference check" in text and "run 0" in text
+    for extra in ([], ["--t2v"]):
+        wan.main(["--dim", "24", "--heads", "2", "--frames", "1", "--height", "2", "--width",
+                  "3", "--repeat", "1", "--check"] + extra)  # fmt: skip
+        text = capsys.readouterr().out
+        assert "finite-difference check" in text and "run 0" in text
 
 
 def test_errors():
@@ -228,3 +243,5 @@ def test_errors():
     x, t, ctx, img = wan.random_inputs(block, (1, 2, 2), xp=np)
     with pytest.raises(ValueError, match="grid"):
         block(params, x, t, ctx, img, (1, 2, 3))
+    with pytest.raises(ValueError, match="context_img"):
+        block(params, x, t, ctx, None, (1, 2, 2))
