@@ -1,8 +1,9 @@
 """examples/wan_block.py against a float64 torch transcription of Wan2.1's attention
 block (``wan/modules/model.py``: ``sinusoidal_embedding_1d``, ``rope_params``,
 ``rope_apply``, ``WanRMSNorm``, ``WanLayerNorm``, ``WanSelfAttention``,
-``WanT2VCrossAttention``, ``WanI2VCrossAttention``, ``WanAttentionBlock`` and the model's time embedding), written
-out below: forward, and gradients of the inputs and of every parameter (torch autograd)."""
+``WanT2VCrossAttention``, ``WanI2VCrossAttention``, ``WanAttentionBlock`` and the
+model's time embedding), written out below: forward, and gradients of the inputs and of
+every parameter (torch autograd)."""
 
 from __future__ import annotations
 
