@@ -43,7 +43,7 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 import argparse  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Callable, Mapping  # noqa: E402
+from collections.abc import Callable, Mapping, Sequence  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -55,6 +55,8 @@ from arrayattn._backend import device_of, namespace_of, resolve_namespace  # noq
 from arrayattn.nn import gelu, linear, silu  # noqa: E402
 
 Params = dict[str, Any]
+# One (F, H, W) for the whole batch, or one per sample (x padded to the longest).
+Grid = tuple[int, int, int] | Sequence[tuple[int, int, int]]
 
 
 class _Tape:
@@ -155,14 +157,17 @@ class WanBlock:
         t: Any,
         context: Any,
         context_img: Any,
-        grid: tuple[int, int, int],
+        grid: Grid,
     ) -> Any:
         """The block's output.
 
         Shapes: ``x`` ``(B, F*H*W, dim)`` patch tokens in (frame, height, width) order;
         ``t`` ``(B,)`` timesteps; ``context`` ``(B, Lt, dim)`` text tokens;
+        ``grid`` ``(F, H, W)`` shared by the batch, or one per sample (then ``x`` is padded
+        to ``L >= F*H*W`` tokens per sample, as Wan2.1 pads to ``seq_len``; the padding
+        keys are masked in the self-attention, its rows are computed but unrotated);
         ``context_img`` ``(B, Li, dim)`` image tokens (``None`` for a T2V block,
-        ``image_context=False``); ``grid`` ``(F, H, W)`` -> ``x``'s shape.
+        ``image_context=False``) -> ``x``'s shape.
         """
         return self._forward(_Tape(), params, x, t, context, context_img, grid)[0]
 
@@ -173,7 +178,7 @@ class WanBlock:
         t: Any,
         context: Any,
         context_img: Any,
-        grid: tuple[int, int, int],
+        grid: Grid,
     ) -> tuple[Any, Callable[[Any], tuple[Any, Any, Any, Params]]]:
         """``(out, pullback)``; ``pullback(d_out) -> (dx, d_context, d_context_img,
         d_params)`` (``t`` is not differentiated; ``d_context_img`` is ``None`` for T2V)."""
@@ -185,19 +190,39 @@ class WanBlock:
 
         return out, pullback
 
-    def _freqs(self, xp: Any, grid: tuple[int, int, int], device: Any) -> Any:
+    def _positions(self, xp: Any, grid: Grid, B: int, L: int, device: Any) -> tuple[Any, Any]:
+        """``(freqs, seq_lens)``: RoPE factors for one shared grid ``(L, F)``, or for one
+        grid per sample ``(B, 1, L, F)`` with the tokens after ``F*H*W`` left unrotated
+        (position 0 on every axis, as Wan2.1's ``rope_apply`` passes them through) and
+        their lengths ``(B,)`` for the self-attention's ``kv_lengths`` (Wan2.1's
+        ``k_lens=seq_lens``)."""
+        axes = aa.wan_axes_dim(self.head_dim)
         # Wan2.1 builds its RoPE table in float64 (rope_params): so do we.
-        pos = aa.grid_positions(grid, xp=xp, device=device)
-        return aa.multi_axis_rope_frequencies(
-            aa.wan_axes_dim(self.head_dim), pos, theta=self.theta, dtype=xp.float64
-        )
+        if len(grid) == 3 and all(isinstance(g, int) for g in grid):
+            if L != math.prod(grid):
+                raise ValueError(f"x has {L} tokens but grid {tuple(grid)} holds {math.prod(grid)}")
+            pos = aa.grid_positions(grid, xp=xp, device=device)
+            return aa.multi_axis_rope_frequencies(
+                axes, pos, theta=self.theta, dtype=xp.float64
+            ), None
+        if len(grid) != B:
+            raise ValueError(f"grid must be one (F, H, W) or one per sample ({B}), got {grid!r}")
+        rows = []
+        for g in grid:
+            n = math.prod(g)
+            if n > L:
+                raise ValueError(f"grid {tuple(g)} holds {n} tokens, more than x's {L}")
+            pad = xp.zeros((L - n, 3), dtype=xp.int64, device=device)
+            rows.append(xp.concat((aa.grid_positions(g, xp=xp, device=device), pad), axis=0))
+        pos = xp.stack(rows, axis=0)  # (B, L, 3)
+        freqs = aa.multi_axis_rope_frequencies(axes, pos, theta=self.theta, dtype=xp.float64)
+        seq_lens = xp.asarray([math.prod(g) for g in grid], dtype=xp.int64, device=device)
+        return xp.expand_dims(freqs, axis=1), seq_lens
 
     def _forward(self, tape, p, x, t, context, context_img, grid):
         xp = namespace_of(x=x)
         device = device_of(x)
         B, L, D = (int(s) for s in x.shape)
-        if L != math.prod(grid):
-            raise ValueError(f"x has {L} tokens but grid {tuple(grid)} holds {math.prod(grid)}")
         if (context_img is None) == self.image_context:
             raise ValueError(
                 "context_img must be given for an I2V block (image_context=True) and None "
@@ -221,8 +246,8 @@ class WanBlock:
         n1 = tape("norm1", aa.layer_norm, x, None, None, eps=self.eps)
         xin = n1 * (1 + m[1]) + m[0]
         s["n1"] = n1
-        freqs = self._freqs(xp, grid, device)
-        y = self._attention(tape, "self_attn", p, xin, [(xin, xin, "k", "v", freqs)])
+        freqs, seq_lens = self._positions(xp, grid, B, L, device)
+        y = self._attention(tape, "self_attn", p, xin, [(xin, xin, "k", "v", freqs, seq_lens)])
         s["y_self"] = y
         x2 = x + y * m[2]
 
@@ -230,9 +255,9 @@ class WanBlock:
         cin = x2
         if self.cross_attn_norm:
             cin = tape("norm3", aa.layer_norm, x2, p["norm3.weight"], p["norm3.bias"], eps=self.eps)
-        sources = [(context, context, "k", "v", None)]
+        sources = [(context, context, "k", "v", None, None)]
         if self.image_context:
-            sources.append((context_img, context_img, "k_img", "v_img", None))
+            sources.append((context_img, context_img, "k_img", "v_img", None, None))
         x3 = x2 + self._attention(tape, "cross_attn", p, cin, sources)
 
         # feed-forward network on the modulated LayerNorm, gated residual
@@ -254,7 +279,7 @@ class WanBlock:
         q = tape(f"{prefix}.norm_q", aa.rms_norm, q, p[f"{prefix}.norm_q.weight"], eps=self.eps)
         q = tape(f"{prefix}.q_heads", aa.split_heads, q, n)
         merged = None
-        for src_k, src_v, k_name, v_name, freqs in sources:
+        for src_k, src_v, k_name, v_name, freqs, kv_lengths in sources:
             tag = f"{prefix}.{k_name}"
             k = tape(tag, linear, src_k, p[f"{tag}.weight"], p[f"{tag}.bias"])
             norm = f"{prefix}.norm_{k_name}"
@@ -267,7 +292,9 @@ class WanBlock:
             if freqs is not None:
                 qr = tape(f"{prefix}.q_rope", aa.apply_rope, q, freqs)
                 k = tape(f"{tag}_rope", aa.apply_rope, k, freqs)
-            o = tape(f"{tag}_attn", aa.scaled_dot_product_attention, qr, k, v)
+            o = tape(
+                f"{tag}_attn", aa.scaled_dot_product_attention, qr, k, v, kv_lengths=kv_lengths
+            )
             o = tape(f"{tag}_merge", aa.merge_heads, o)
             merged = o if merged is None else merged + o
         return tape(f"{prefix}.o", linear, merged, p[f"{prefix}.o.weight"], p[f"{prefix}.o.bias"])
@@ -364,7 +391,7 @@ class WanBlock:
 
 def random_inputs(
     block: WanBlock,
-    grid: tuple[int, int, int],
+    grid: Grid,
     *,
     batch: int = 2,
     text_len: int = 12,
@@ -379,7 +406,8 @@ def random_inputs(
     ns = resolve_namespace(xp)
     rng = np.random.default_rng(seed)
     dt = ns.float32 if dtype is None else dtype
-    L = math.prod(grid)
+    shared = len(grid) == 3 and all(isinstance(g, int) for g in grid)
+    L = math.prod(grid) if shared else max(math.prod(g) for g in grid)
 
     def arr(shape: tuple[int, ...]) -> Any:
         return ns.asarray(rng.standard_normal(shape), dtype=dt, device=device)

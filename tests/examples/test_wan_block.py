@@ -68,9 +68,12 @@ def _torch_wan(torch, dim, ffn_dim, num_heads, freq_dim, text_len, eps=1e-6, i2v
             output.append(torch.cat([x_i, x[i, seq_len:]]))
         return torch.stack(output).to(x.dtype)  # Wan2.1: .float(); a no-op in float64
 
-    def attention(q, k, v):  # (B, L, N, d) -> (B, L, N, d), full softmax attention
+    def attention(q, k, v, k_lens=None):  # (B, L, N, d) -> (B, L, N, d); Wan's k_lens
         q, k, v = (a.transpose(1, 2) for a in (q, k, v))
         s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        if k_lens is not None:  # keys past each sample's length take no part
+            keep = torch.arange(k.shape[2])[None, :] < torch.as_tensor(k_lens)[:, None]
+            s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
         return (torch.softmax(s, dim=-1) @ v).transpose(1, 2)
 
     class RMSNorm(nn.Module):
@@ -87,12 +90,14 @@ def _torch_wan(torch, dim, ffn_dim, num_heads, freq_dim, text_len, eps=1e-6, i2v
             self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
             self.norm_q, self.norm_k = RMSNorm(dim), RMSNorm(dim)
 
-        def forward(self, x, grid_sizes, freqs):
+        def forward(self, x, seq_lens, grid_sizes, freqs):
             b, s, n, d = *x.shape[:2], num_heads, dim // num_heads
             q = self.norm_q(self.q(x)).view(b, s, n, d)
             k = self.norm_k(self.k(x)).view(b, s, n, d)
             v = self.v(x).view(b, s, n, d)
-            x = attention(rope_apply(q, grid_sizes, freqs), rope_apply(k, grid_sizes, freqs), v)
+            x = attention(
+                rope_apply(q, grid_sizes, freqs), rope_apply(k, grid_sizes, freqs), v, seq_lens
+            )
             return self.o(x.flatten(2))
 
     class T2VCrossAttention(SelfAttention):
@@ -149,12 +154,12 @@ def _torch_wan(torch, dim, ffn_dim, num_heads, freq_dim, text_len, eps=1e-6, i2v
                 dim=1,
             )
 
-        def forward(self, x, t, context, grid_sizes):
+        def forward(self, x, t, context, grid_sizes, seq_lens=None):
             # Wan2.1: .float() on the float64 embedding; the model's dtype here
             e = self.time_embedding(sinusoidal_embedding_1d(freq_dim, t).to(x.dtype))
             e0 = self.time_projection(e).unflatten(1, (6, dim))
             e = (self.modulation + e0).chunk(6, dim=1)
-            y = self.self_attn(self.norm1(x) * (1 + e[1]) + e[0], grid_sizes, self.freqs)
+            y = self.self_attn(self.norm1(x) * (1 + e[1]) + e[0], seq_lens, grid_sizes, self.freqs)
             x = x + y * e[2]
             x = x + self.cross_attn(self.norm3(x), context)
             y = self.ffn(self.norm2(x) * (1 + e[4]) + e[3])
@@ -202,6 +207,33 @@ def test_block_equals_wan_forward_and_gradients(dim, heads, grid, text_len, imag
         )
 
 
+def test_per_sample_grids_with_padding_equal_wan():
+    """Samples of different (F, H, W) padded to one length, as WanModel pads to seq_len:
+    padding keys masked in self-attention (Wan's k_lens=seq_lens), padding rows
+    unrotated (rope_apply passes them through)."""
+    torch = pytest.importorskip("torch")
+    grids = [(2, 2, 3), (1, 3, 2), (2, 2, 2)]
+    block = wan.WanBlock(dim=24, ffn_dim=40, num_heads=2, freq_dim=8)
+    params = block.init(seed=5, xp=np, dtype=np.float64)
+    x, t, ctx, img = wan.random_inputs(block, grids, batch=3, xp=np, dtype=np.float64)
+    assert x.shape[1] == 12
+    ref = _torch_wan(torch, 24, 40, 2, 8, ctx.shape[1])
+    ref.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()}, strict=True)
+    tx = torch.from_numpy(x).requires_grad_()
+    seq_lens = [int(np.prod(g)) for g in grids]
+    context = torch.cat([torch.from_numpy(img), torch.from_numpy(ctx)], dim=1)
+    expected = ref(tx, torch.from_numpy(t), context, grids, seq_lens)
+    out, pullback = block.vjp(params, x, t, ctx, img, grids)
+    np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-10, atol=1e-10)
+    cot = np.random.default_rng(6).standard_normal(out.shape)
+    expected.backward(torch.from_numpy(cot))
+    dx, _, _, dparams = pullback(cot)
+    np.testing.assert_allclose(dx, tx.grad.numpy(), rtol=1e-9, atol=1e-9)
+    named = dict(ref.named_parameters())
+    for name, g in dparams.items():
+        np.testing.assert_allclose(g, named[name].grad.numpy(), rtol=1e-9, atol=1e-9, err_msg=name)
+
+
 def test_block_on_backend(backend):
     """The block is array-API code: every backend gives NumPy's forward and gradients
     (the example's own choices are NumPy and CuPy)."""
@@ -211,7 +243,7 @@ def test_block_on_backend(backend):
         pytest.skip(f"{backend.name}: too slow for a whole block")
     xp = backend.xp
     block = wan.WanBlock(dim=24, ffn_dim=32, num_heads=2, freq_dim=8, cross_attn_norm=False)
-    grid = (1, 2, 2)
+    grid = [(1, 2, 2), (1, 1, 3)]  # per-sample grids: padding, kv_lengths, built with xp
     params = block.init(seed=0, xp=np, dtype=np.float64)
     inputs = wan.random_inputs(block, grid, text_len=3, image_len=2, xp=np, dtype=np.float64)
     out, pullback = block.vjp(params, *inputs, grid)
@@ -244,5 +276,9 @@ def test_errors():
     x, t, ctx, img = wan.random_inputs(block, (1, 2, 2), xp=np)
     with pytest.raises(ValueError, match="grid"):
         block(params, x, t, ctx, img, (1, 2, 3))
+    with pytest.raises(ValueError, match="grid"):
+        block(params, x, t, ctx, img, [(1, 2, 2)] * 3)  # batch of 2
+    with pytest.raises(ValueError, match="grid"):
+        block(params, x, t, ctx, img, [(1, 2, 2), (1, 1, 5)])  # 5 tokens > 4
     with pytest.raises(ValueError, match="context_img"):
         block(params, x, t, ctx, None, (1, 2, 2))
