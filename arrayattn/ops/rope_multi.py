@@ -143,9 +143,9 @@ def multi_axis_rope_frequencies(
 def mrope_frequencies(
     head_dim: int,
     positions: Array,
-    mrope_section: Sequence[int],
+    mrope_section: Sequence[int] | None = None,
     *,
-    interleaved: bool = False,
+    interleaved: bool | None = None,
     theta: float = 10000.0,
     rope_scaling: Mapping[str, Any] | None = None,
     max_position_embeddings: int | None = None,
@@ -170,8 +170,10 @@ def mrope_frequencies(
     Args:
         head_dim: the head dim ``D``; ``sum(mrope_section)`` must be ``D // 2``.
         positions: the per-token positions, one column per section.
-        mrope_section: frequencies per section (the config's ``mrope_section``).
-        interleaved: Qwen3-VL's interleaved sections (``mrope_interleaved``).
+        mrope_section: frequencies per section; default: ``rope_scaling["mrope_section"]``
+            (where Qwen2-VL's config keeps it).
+        interleaved: Qwen3-VL's interleaved sections; default:
+            ``rope_scaling["mrope_interleaved"]``, else False.
         theta, rope_scaling, max_position_embeddings, seq_len, apply_attention_factor:
             as in :func:`rope_frequencies` (``seq_len`` is needed by ``dynamic`` and
             ``longrope``).
@@ -185,6 +187,18 @@ def mrope_frequencies(
         >>> bool(np.allclose(f, aa.rope_frequencies(16, 6, xp=np)))
         True
     """
+    if mrope_section is None or interleaved is None:
+        if rope_scaling is not None and not isinstance(rope_scaling, Mapping):
+            raise TypeError(
+                f"rope_scaling must be a dict or None, got {type(rope_scaling).__name__}"
+            )
+        config = rope_scaling or {}
+        if mrope_section is None:
+            mrope_section = config.get("mrope_section")
+            if mrope_section is None:
+                raise ValueError("mrope_section is needed (not given, and not in rope_scaling)")
+        if interleaved is None:
+            interleaved = bool(config.get("mrope_interleaved", False))
     sections = _int_list("mrope_section", mrope_section, even=False)
     if isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral):
         raise ValueError(f"head_dim must be an even int >= 2, got {head_dim!r}")

@@ -189,6 +189,9 @@ def test_mrope_equals_transformers(rng, variant):
         max_position_embeddings=32,
     )
     assert f.shape == (2, pos.shape[1], head_dim // 2) and f.dtype == np.complex64
+    # the sections (and Qwen3-VL's interleaving) read from the config's dict itself
+    g = aa.mrope_frequencies(head_dim, pos, rope_scaling=params, max_position_embeddings=32)
+    np.testing.assert_array_equal(g, f)
     y = aa.apply_rope(q, f[:, None], layout="half")
     np.testing.assert_allclose(y, q_hf.numpy(), rtol=2e-5, atol=2e-5)
 
@@ -268,6 +271,8 @@ def test_errors():
         aa.multi_axis_rope_frequencies((4, 4), pos > 0)
     with pytest.raises(ValueError, match="mrope_section"):
         aa.mrope_frequencies(16, pos, [4, 3])  # sums to 7, not 8
+    with pytest.raises(ValueError, match="mrope_section"):
+        aa.mrope_frequencies(16, pos)
     with pytest.raises(ValueError, match="interleaved"):
         aa.mrope_frequencies(16, pos, [4, 4], interleaved=True)
     with pytest.raises(ValueError, match="seq_len"):
