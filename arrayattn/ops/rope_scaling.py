@@ -117,6 +117,8 @@ def _dynamic(params: dict, base: float, dim: int, mpe: int | None, seq_len: int 
     factor = _require(params, "factor", "dynamic")
     if mpe is None:
         raise ValueError("rope_type 'dynamic' needs max_position_embeddings=, got None")
+    if dim <= 2:  # the exponent R / (R - 2) below
+        raise ValueError(f"rope_type 'dynamic' needs a rotary dim > 2, got {dim}")
     # HF: the length defaults to max_position_embeddings and never goes below it.
     length = mpe if seq_len is None else max(int(seq_len), mpe)
     base = base * ((factor * length / mpe) - (factor - 1)) ** (dim / (dim - 2))

@@ -268,6 +268,8 @@ def test_errors():
         aa.rope_inv_freq(8, {"rope_type": "yarn", "factor": 2.0})
     with pytest.raises(ValueError, match="max_position_embeddings"):
         aa.rope_inv_freq(8, {"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match="rotary dim"):
+        aa.rope_inv_freq(2, {"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=8)
     with pytest.raises(ValueError, match="long_factor"):
         aa.rope_inv_freq(
             8,
