@@ -1092,7 +1092,7 @@ class MultiHeadAttention:
             if context is not None:
                 raise ValueError("lengths is for self-attention; mask a context with attn_mask")
             n_new = host_lengths("lengths", lengths, B, L)
-            if cache is None and padding_side == "right":
+            if cache is None:  # left padding is rolled to the right before attention
                 lengths_array = xp.asarray(list(n_new), dtype=xp.int64, device=device_of(x))
         elif padding_side == "left":
             raise ValueError('padding_side="left" needs lengths (real tokens per row)')
