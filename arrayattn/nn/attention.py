@@ -740,6 +740,7 @@ class MultiHeadAttention:
             cache,
             training,
             seed,
+            need_weights,
         )
         p = params
         n_new, left = plan["n_new"], padding_side == "left"
@@ -1033,6 +1034,7 @@ class MultiHeadAttention:
         cache: Any,
         training: bool,
         seed: Any,
+        need_weights: bool = False,
     ) -> dict[str, Any]:
         """Validate a call's arguments (nothing is computed or changed); returns what the
         forward needs: the host lengths of the new tokens and the cache's starts."""
@@ -1140,6 +1142,8 @@ class MultiHeadAttention:
                 starts = cache.lengths.tolist()
             if isinstance(cache, PagedKVCache) and training and self.dropout_p > 0:
                 raise ValueError("dropout (training=True) is not supported with a PagedKVCache")
+            if isinstance(cache, PagedKVCache) and need_weights:
+                raise ValueError("need_weights is not supported with a PagedKVCache")
         return {
             "n_new": n_new,
             "lengths_array": lengths_array,

@@ -171,6 +171,7 @@ class KVCache:
         self.keys = xp.zeros((B, H, S, self.head_dim), dtype=dt, device=dev)
         self.values = xp.zeros((B, H, S, self.value_dim), dtype=dt, device=dev)
         self.device = device_of(self.keys)
+        self._dtype = self.keys.dtype  # the library's dtype object (np.float32 -> dtype)
 
     # -- state ------------------------------------------------------------------------
     @property

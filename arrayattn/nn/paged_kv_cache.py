@@ -96,6 +96,7 @@ class PagedKVCache:
         self.keys = xp.zeros(shape + (self.head_dim,), dtype=dt, device=dev)
         self.values = xp.zeros(shape + (self.value_dim,), dtype=dt, device=dev)
         self.device = device_of(self.keys)
+        self._dtype = self.keys.dtype  # the library's dtype object (np.float32 -> dtype)
 
     # -- state ------------------------------------------------------------------------
     @property

@@ -44,7 +44,10 @@ def rope(x, ang, layout):
     c, s = np.cos(ang), np.sin(ang)
     if layout == "half":
         a, b, rest = x[..., :F], x[..., F : 2 * F], x[..., 2 * F :]
-        return np.concatenate([a * c - b * s, a * s + b * c, np.broadcast_to(rest, a.shape[:-1] + rest.shape[-1:])], axis=-1)
+        return np.concatenate(
+            [a * c - b * s, a * s + b * c, np.broadcast_to(rest, a.shape[:-1] + rest.shape[-1:])],
+            axis=-1,
+        )
     a, b = x[..., 0 : 2 * F : 2], x[..., 1 : 2 * F : 2]
     out = np.array(np.broadcast_to(x, np.broadcast_shapes(x.shape, c.shape[:-1] + (D,))))
     out[..., 0 : 2 * F : 2] = a * c - b * s
