@@ -310,9 +310,9 @@ class KVCache:
         # Immutable arrays (JAX): a new buffer with the rows' positions replaced.
         b0 = 0 if rows.start is None else rows.start
         b1 = buffer.shape[0] if rows.stop is None else rows.stop
-        part = buffer[b0:b1]
+        part = buffer[b0:b1, ...]
         part = xp.concat((part[:, :, :start, :], new, part[:, :, stop:, :]), axis=2)
-        return xp.concat((buffer[:b0], part, buffer[b1:]), axis=0)
+        return xp.concat((buffer[:b0, ...], part, buffer[b1:, ...]), axis=0)
 
     def kv_lengths(self, xp: Any = None) -> Array:
         """The filled lengths as an int64 array of the cache's library and device, the

@@ -194,7 +194,7 @@ class PagedKVCache:
             for b, (need, m) in enumerate(zip(self._pages_needed(n), n, strict=True)):
                 self.block_tables[b].extend(self.free_pages[:need])
                 del self.free_pages[:need]
-                self._write_row(xp, b, key[b], value[b], m)
+                self._write_row(xp, b, key[b, ...], value[b, ...], m)
         except BaseException:
             self._restore(snap)
             raise
@@ -282,29 +282,28 @@ class PagedKVCache:
         G, dev = Hq // Hkv, device_of(query)
         cd = xp.float64 if query.dtype == xp.float64 else xp.float32
         S = max(kv)
-        GL = G * L
 
-        def const(a: Any, dtype: Any) -> Array:
-            return xp.asarray(np.asarray(a).tolist(), dtype=dtype, device=dev)
+        def const(a: Any, dtype: Any, shape: tuple[int, ...]) -> Array:
+            return xp.reshape(xp.asarray(np.asarray(a).tolist(), dtype=dtype, device=dev), shape)
 
-        row = np.arange(GL) % L  # query row i of every grouped head
+        # Grouped layout (B, Hkv, G, L, .): query head h = kv_head * G + g reads kv_head.
+        row = np.arange(L)
         qpos_h = np.asarray(kv)[:, None] - np.asarray(nq)[:, None] + row[None, :]
-        qpos = xp.reshape(const(qpos_h, xp.int64), (B, 1, GL, 1))
-        qvalid = xp.reshape(const(row[None, :] < np.asarray(nq)[:, None], xp.bool), (B, 1, GL, 1))
-        kvlen = xp.reshape(const(kv, xp.int64), (B, 1, 1, 1))
-        q = xp.astype(xp.reshape(query, (B, Hkv, GL, D)), cd)
+        qpos = const(qpos_h, xp.int64, (B, 1, 1, L, 1))
+        qvalid = const(row[None, :] < np.asarray(nq)[:, None], xp.bool, (B, 1, 1, L, 1))
+        kvlen = const(kv, xp.int64, (B, 1, 1, 1, 1))
+        q = xp.astype(xp.reshape(query, (B, Hkv, G, L, D)), cd)
         scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-        per_row = _per_row_heads(xp, cd, B, Hkv, G, L)
-        sink_rows = None if sinks is None else per_row(sinks)
-        slope_rows = None if alibi_slopes is None else per_row(alibi_slopes)
+        sink_rows = None if sinks is None else _per_head(xp, cd, sinks, Hkv, G)
+        slope_rows = None if alibi_slopes is None else _per_head(xp, cd, alibi_slopes, Hkv, G)
         full_mask = None
         if attn_mask is not None:
             full_mask = xp.broadcast_to(attn_mask, (B, Hq, L, S))
         neg_inf = xp.asarray(-xp.inf, dtype=cd, device=dev)
         zero = xp.asarray(0.0, dtype=cd, device=dev)
-        m = xp.full((B, Hkv, GL, 1), -xp.inf, dtype=cd, device=dev)
-        l_sum = xp.zeros((B, Hkv, GL, 1), dtype=cd, device=dev)
-        acc = xp.zeros((B, Hkv, GL, self.value_dim), dtype=cd, device=dev)
+        m = xp.full((B, Hkv, G, L, 1), -xp.inf, dtype=cd, device=dev)
+        l_sum = xp.zeros((B, Hkv, G, L, 1), dtype=cd, device=dev)
+        acc = xp.zeros((B, Hkv, G, L, self.value_dim), dtype=cd, device=dev)
         n_steps = max((math.ceil(n / P) for n in kv), default=0)
         # A sequence with fewer pages reads page 0 in the later steps, fully masked.
         tables = np.zeros((B, n_steps), dtype=np.int64)
@@ -312,10 +311,10 @@ class PagedKVCache:
             tables[b, : len(t)] = t
         for step in range(n_steps):
             k, v = self._page_block(xp, tables[:, step])
-            j = xp.reshape(
-                xp.arange(step * P, (step + 1) * P, dtype=xp.int64, device=dev), (1, 1, 1, P)
-            )
-            filled = j < kvlen  # (B, 1, 1, P): positions past a sequence's length are stale
+            k = xp.expand_dims(xp.astype(k, cd), axis=2)  # (B, Hkv, 1, P, D)
+            v = xp.expand_dims(xp.astype(v, cd), axis=2)
+            j = const(list(range(step * P, (step + 1) * P)), xp.int64, (1, 1, 1, 1, P))
+            filled = j < kvlen  # (B, 1, 1, 1, P): positions past a sequence's length are stale
             allowed = filled & qvalid
             if causal:
                 allowed = allowed & (j <= qpos)
@@ -325,19 +324,19 @@ class PagedKVCache:
                     allowed = allowed & (j >= qpos - left)
                 if right >= 0:
                     allowed = allowed & (j <= qpos + right)
-            s = xp.matmul(q, xp.matrix_transpose(xp.astype(k, cd))) * scale
+            s = xp.matmul(q, xp.matrix_transpose(k)) * scale
             if softcap is not None:
                 s = softcap * xp.tanh(s / softcap)
             if slope_rows is not None:
                 s = s - slope_rows * xp.astype(xp.abs(qpos - j), cd)
             if full_mask is not None:
-                block = _mask_block(xp, full_mask, step * P, P, S, B, Hkv, GL)
+                block = _mask_block(xp, full_mask, step * P, P, S, (B, Hkv, G, L, P))
                 if block.dtype == xp.bool:
                     allowed = allowed & block
                 else:
                     s = s + xp.astype(block, cd)
             s = xp.where(allowed, s, neg_inf)
-            v = xp.where(xp.reshape(filled, (B, 1, P, 1)), xp.astype(v, cd), zero)
+            v = xp.where(xp.reshape(filled, (B, 1, 1, P, 1)), v, zero)
             m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))
             m_safe = xp.where(m_new == neg_inf, zero, m_new)
             corr = xp.exp(m - m_safe)
@@ -359,7 +358,7 @@ class PagedKVCache:
         # block of B pages (never the whole cache).
         if pages.shape[0] == 1:
             p = int(pages[0])
-            return self.keys[p : p + 1], self.values[p : p + 1]
+            return self.keys[p : p + 1, ...], self.values[p : p + 1, ...]
         ids = xp.asarray(pages.tolist(), dtype=xp.int64, device=self.device)
         return xp.take(self.keys, ids, axis=0), xp.take(self.values, ids, axis=0)
 
@@ -371,32 +370,23 @@ class PagedKVCache:
         )
 
 
-def _per_row_heads(xp: Any, cd: Any, B: int, Hkv: int, G: int, L: int):
-    """Per-head values ``(Hq,)`` or ``(B, Hq)`` laid out as ``(B or 1, Hkv, G * L, 1)``, the
-    grouped query rows of the paged loop."""
-
-    def lay(a: Array) -> Array:
-        a = xp.astype(a, cd)
-        lead = 1 if a.ndim == 1 else int(a.shape[0])
-        a = xp.reshape(a, (lead, Hkv, G, 1, 1))
-        a = xp.broadcast_to(a, (lead, Hkv, G, L, 1))
-        return xp.reshape(a, (lead, Hkv, G * L, 1))
-
-    return lay
+def _per_head(xp: Any, cd: Any, a: Array, Hkv: int, G: int) -> Array:
+    """Per-head values ``(Hq,)`` or ``(B, Hq)`` as ``(B or 1, Hkv, G, 1, 1)``, the grouped
+    layout of the paged loop."""
+    lead = 1 if a.ndim == 1 else int(a.shape[0])
+    return xp.reshape(xp.astype(a, cd), (lead, Hkv, G, 1, 1))
 
 
-def _mask_block(
-    xp: Any, mask: Array, start: int, P: int, S: int, B: int, Hkv: int, GL: int
-) -> Array:
+def _mask_block(xp: Any, mask: Array, start: int, P: int, S: int, shape: tuple[int, ...]) -> Array:
     """Columns ``[start, start + P)`` of the broadcast mask ``(B, Hq, L, S)``, padded past
-    ``S`` (those columns are masked by the lengths anyway), as ``(B, Hkv, GL, P)``."""
+    ``S`` (those columns are masked by the lengths anyway), in the grouped ``shape``."""
     stop = min(start + P, S)
     block = mask[..., start:stop]
     if stop - start < P:
         pad_shape = tuple(int(d) for d in block.shape[:-1]) + (P - (stop - start),)
         pad = xp.zeros(pad_shape, dtype=mask.dtype, device=device_of(mask))
         block = xp.concat((block, pad), axis=-1)
-    return xp.reshape(block, (B, Hkv, GL, P))
+    return xp.reshape(block, shape)
 
 
 def _put(xp: Any, pages: Array, page: int, off: int, new: Array) -> Array:
@@ -405,6 +395,6 @@ def _put(xp: Any, pages: Array, page: int, off: int, new: Array) -> Array:
     if array_api_compat.is_writeable_array(pages):
         pages[page, :, off:stop, :] = new
         return pages
-    row = pages[page : page + 1]
+    row = pages[page : page + 1, ...]
     row = xp.concat((row[:, :, :off, :], new[None, ...], row[:, :, stop:, :]), axis=2)
-    return xp.concat((pages[:page], row, pages[page + 1 :]), axis=0)
+    return xp.concat((pages[:page, ...], row, pages[page + 1 :, ...]), axis=0)
