@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import array_api_compat
@@ -159,6 +159,24 @@ class MultiHeadAttention:
         window: ``(left, right)`` sliding window (FlashAttention convention), or ``None``.
         softcap: ``softcap * tanh(scores / softcap)`` before masks (Gemma 2's
             ``attn_logit_softcapping``), or ``None``.
+        sinks: learnable attention sinks (gpt-oss): a parameter ``sinks`` ``(num_heads,)``
+            (Hugging Face's name), one logit per query head that joins every row's softmax
+            denominator with no value; it gets a gradient.
+        alibi: ALiBi (BLOOM, MPT): bias ``-slope_h * |i + offset - j|`` with the standard
+            geometric slopes of :meth:`alibi_slopes` (no parameter, no gradient), never a
+            dense mask on the fast, chunked and fused paths.
+        rope_scaling: a Hugging Face ``rope_scaling`` / ``rope_parameters`` dict as in
+            ``config.json`` (``linear``, ``dynamic``, ``llama3``, ``yarn``, ``longrope``);
+            ``yarn``/``longrope``'s attention factor scales the rotation as HF does.
+        partial_rotary_factor: rotate only the first ``head_dim * factor`` features
+            (the config field of that name).
+        max_position_embeddings: the config field, read by some scaling types.
+        rope_axes: multi-axis RoPE with an independent ladder per axis over a split of
+            the head dim (Wan2.1's ``wan_axes_dim(head_dim)``, FLUX's ``axes_dim``);
+            ``positions`` then have one column per axis, ``(L, A)`` or ``(B, L, A)``.
+        mrope_section: Qwen2-VL's M-RoPE (one ladder, a position per section);
+            ``positions`` ``(L, 3)`` or ``(B, L, 3)``. Without ``positions`` (text) every
+            axis takes the 1-D positions.
         implementation: the attention implementation every call uses (``"auto"``,
             ``"composed"``, ``"chunked"``, ``"fast"`` on NumPy, ``"fused"`` on CuPy; see
             :func:`arrayattn.implementations`), as ``attn_implementation`` in Hugging
@@ -203,6 +221,13 @@ class MultiHeadAttention:
     scale: float | None = None
     window: tuple[int, int] | None = None
     softcap: float | None = None
+    sinks: bool = False
+    alibi: bool = False
+    rope_scaling: Mapping[str, Any] | None = field(default=None, hash=False)
+    partial_rotary_factor: float | None = None
+    max_position_embeddings: int | None = None
+    rope_axes: tuple[int, ...] | None = None
+    mrope_section: tuple[int, ...] | None = None
     implementation: str = "auto"
 
     def __post_init__(self) -> None:
@@ -261,10 +286,73 @@ class MultiHeadAttention:
                 raise ValueError(
                     f"window must be None or (left, right) ints >= -1 (-1 unbounded), got {w!r}"
                 )
+        _flag("sinks", self.sinks)
+        _flag("alibi", self.alibi)
+        self._check_rope_variants()
         if not isinstance(self.implementation, str) or self.implementation not in implementations():
             raise ValueError(
                 f"implementation must be one of {implementations()}, got {self.implementation!r}"
             )
+
+    def _check_rope_variants(self) -> None:
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Mapping):
+            raise TypeError(
+                f"rope_scaling must be a dict (config.json's rope_scaling) or None, got "
+                f"{type(self.rope_scaling).__name__}"
+            )
+        if self.partial_rotary_factor is not None:
+            f = _real("partial_rotary_factor", self.partial_rotary_factor)
+            if not 0 < f <= 1:
+                raise ValueError(f"partial_rotary_factor must be in (0, 1], got {f!r}")
+        if self.max_position_embeddings is not None:
+            _count("max_position_embeddings", self.max_position_embeddings)
+        for name in ("rope_axes", "mrope_section"):
+            axes = getattr(self, name)
+            if axes is None:
+                continue
+            if not isinstance(axes, (tuple, list)) or not axes:
+                raise TypeError(f"{name} must be a tuple of ints or None, got {axes!r}")
+            for a in axes:
+                _count(name, a)
+            object.__setattr__(self, name, tuple(int(a) for a in axes))
+        variants = [n for n in ("rope_axes", "mrope_section") if getattr(self, n) is not None]
+        if variants and self.rope is None:
+            raise ValueError(f"{variants[0]} needs a rope layout (rope='half' or 'interleaved')")
+        if len(variants) > 1:
+            raise ValueError("give rope_axes (per-axis ladders) or mrope_section, not both")
+        if self.rope_axes is not None and sum(self.rope_axes) > self.dim_per_head:
+            raise ValueError(
+                f"rope_axes {self.rope_axes} rotate {sum(self.rope_axes)} features, more than "
+                f"head_dim={self.dim_per_head}"
+            )
+        if self.rope_axes is not None and self.rope_scaling is not None:
+            raise ValueError("rope_scaling applies to one ladder; it cannot scale rope_axes")
+
+    @property
+    def rope_position_axes(self) -> int | None:
+        """Columns of a position (``A`` of multi-axis RoPE / M-RoPE), ``None`` for 1-D."""
+        axes = self.rope_axes if self.rope_axes is not None else self.mrope_section
+        return None if axes is None else len(axes)
+
+    def alibi_slopes(self) -> tuple[float, ...]:
+        """The ALiBi slope of each query head: ``2 ** (-8 h / n)`` for ``h = 1..n`` when
+        ``n = num_heads`` is a power of two, else those of the next lower power of two
+        followed by every other slope of the next higher one (Press et al., BLOOM, MPT).
+
+        Examples:
+            >>> from arrayattn.nn import MultiHeadAttention
+            >>> MultiHeadAttention(8, 4, alibi=True).alibi_slopes()
+            (0.25, 0.0625, 0.015625, 0.00390625)
+        """
+        n = self.num_heads
+
+        def powers(m: int) -> list[float]:
+            start = 2.0 ** (-(2.0 ** -(math.log2(m) - 3)))
+            return [start ** (i + 1) for i in range(m)]
+
+        low = 2 ** int(math.floor(math.log2(n)))
+        slopes = powers(low) + powers(2 * low)[0::2][: n - low]
+        return tuple(slopes)
 
     # -- derived sizes ----------------------------------------------------------------
     @property
@@ -324,6 +412,8 @@ class MultiHeadAttention:
         shapes["o_proj.weight"] = (E, self.num_heads * self.value_dim_per_head)
         if self.has_out_bias:
             shapes["o_proj.bias"] = (E,)
+        if self.sinks:
+            shapes["sinks"] = (self.num_heads,)
         if self.qk_norm is not None:
             full = self.qk_norm_scope == "full"
             for name, width in (("q_norm", fq), ("k_norm", fk)):
@@ -355,7 +445,7 @@ class MultiHeadAttention:
         for name, shape in shapes.items():
             if name.endswith("norm.weight"):
                 host[name] = np.ones(shape)
-            elif name.endswith("norm.bias"):
+            elif name.endswith("norm.bias") or name == "sinks":
                 host[name] = np.zeros(shape)
             else:
                 fan_in = shapes[name.rsplit(".", 1)[0] + ".weight"][1]
@@ -802,12 +892,18 @@ class MultiHeadAttention:
             if rot is not None:
                 kh = call("k_rope", apply_rope, kh, rot, layout=self.rope)
         use_dropout = training and self.dropout_p > 0
-        opts = dict(
+        opts: dict[str, Any] = dict(
             causal_align="bottom_right",
             window=self.window,
             softcap=self.softcap,
             seed=seed if use_dropout else None,
         )
+        if self.sinks:
+            opts["sinks"] = p["sinks"]
+        if self.alibi:
+            opts["alibi_slopes"] = xp.asarray(
+                self.alibi_slopes(), dtype=_stat_dtype(xp, x.dtype), device=device_of(x)
+            )
         sdpa_args = (
             attn_mask,
             self.dropout_p if use_dropout else 0.0,
@@ -893,6 +989,7 @@ class MultiHeadAttention:
             opts["window"],
             opts["softcap"],
             opts["seed"],
+            **{k: opts[k] for k in ("sinks", "alibi_slopes") if k in opts},
         )
         snap = cache._snapshot()
         try:
@@ -907,6 +1004,8 @@ class MultiHeadAttention:
                     window=self.window,
                     softcap=self.softcap,
                     attn_mask=attention_mask,
+                    sinks=opts.get("sinks"),
+                    alibi_slopes=opts.get("alibi_slopes"),
                 )
                 return o, None, {}
             keys, values = cache.append(kh, vh, n_new)
@@ -962,7 +1061,10 @@ class MultiHeadAttention:
         if db is not None:
             grads["o_proj.bias"] = db
         (d_o,) = pullbacks["merge"](d_om)
-        d_qh, d_kh, d_vh, d_mask = pullbacks["attention"](d_o)[:4]
+        back = pullbacks["attention"](d_o)
+        d_qh, d_kh, d_vh, d_mask = back[:4]
+        if self.sinks:  # keyword arrays' cotangents come in a trailing dict
+            grads["sinks"] = back[-1]["sinks"]
         if self.rope is not None:
             d_qh = pullbacks["q_rope"](d_qh)[0]
             d_kh = pullbacks["k_rope"](d_kh)[0]
@@ -1181,6 +1283,14 @@ class MultiHeadAttention:
             xp.isdtype(positions.dtype, "integral") or xp.isdtype(positions.dtype, "real floating")
         ):
             raise TypeError(f"positions must have an integer dtype, got {positions.dtype}")
+        A = self.rope_position_axes
+        if A is not None:
+            if positions.ndim not in (2, 3) or tuple(positions.shape[-2:]) != (L, A):
+                raise ValueError(
+                    f"positions must be (L, A) or (B, L, A) with L={L} and A={A} axes (one "
+                    f"column per axis), got shape {tuple(positions.shape)}"
+                )
+            return
         if positions.ndim not in (1, 2) or positions.shape[-1] != L:
             raise ValueError(
                 f"positions must be an int or an array (L,) or (B, L) with L={L}, got shape "
@@ -1199,22 +1309,67 @@ class MultiHeadAttention:
             rot = freqs
         else:
             L = int(x.shape[-2])
-            real = xp.float64 if x.dtype == xp.float64 else xp.float32
+            real = _stat_dtype(xp, x.dtype)
             dev = device_of(x)
+            seq_len = None
             if positions is None and starts is not None and len(set(starts)) > 1:
                 # Each sequence continues from its own cached length.
                 pos = xp.asarray(
                     [[s + i for i in range(L)] for s in starts], dtype=real, device=dev
                 )
+                seq_len = max(starts) + L
             elif positions is None or isinstance(positions, numbers.Integral):
                 start = (starts[0] if starts else 0) if positions is None else int(positions)
                 pos = xp.arange(start, start + L, dtype=real, device=dev)
+                seq_len = start + L
             else:
                 pos = positions
-            rot = rope_frequencies(self.dim_per_head, pos, theta=self.rope_theta, dtype=real)
+                if self._needs_seq_len():  # HF's max(position_ids) + 1: read from the data
+                    seq_len = int(xp.max(positions)) + 1
+            A = self.rope_position_axes
+            if A is not None and (positions is None or isinstance(positions, numbers.Integral)):
+                pos = xp.stack([pos] * A, axis=-1)  # text tokens: every axis the same
+            rot = self._frequencies(pos, real, seq_len)
         if rot.ndim == 3:  # (B, L, F) -> (B, 1, L, F): the same positions for every head
             rot = xp.expand_dims(rot, axis=1)
         return rot
+
+    def _needs_seq_len(self) -> bool:
+        scaling = self.rope_scaling or {}
+        return scaling.get("rope_type", scaling.get("type")) in ("dynamic", "longrope")
+
+    def _frequencies(self, pos: Array, real: Any, seq_len: int | None) -> Array:
+        """The complex factors of this layer's RoPE variant at positions ``pos``."""
+        scaled: dict[str, Any] = {}
+        if self.rope_scaling is not None:
+            scaled["rope_scaling"] = dict(self.rope_scaling)
+            scaled["seq_len"] = seq_len
+        if self.max_position_embeddings is not None:
+            scaled["max_position_embeddings"] = self.max_position_embeddings
+        if self.rope_axes is not None:
+            from ..ops.rope_multi import multi_axis_rope_frequencies
+
+            return multi_axis_rope_frequencies(
+                self.rope_axes, pos, theta=self.rope_theta, dtype=real
+            )
+        if self.mrope_section is not None:
+            from ..ops.rope_multi import mrope_frequencies
+
+            return mrope_frequencies(
+                self.dim_per_head,
+                pos,
+                self.mrope_section,
+                theta=self.rope_theta,
+                dtype=real,
+                **scaled,
+            )
+        if self.partial_rotary_factor is not None:
+            scaled["partial_rotary_factor"] = self.partial_rotary_factor
+        return rope_frequencies(self.dim_per_head, pos, theta=self.rope_theta, dtype=real, **scaled)
+
+
+def _stat_dtype(xp: Any, dtype: Any) -> Any:
+    return xp.float64 if dtype == xp.float64 else xp.float32
 
 
 def _roll_rows(x: Array, shifts: tuple[int, ...], axis: int = -2) -> Array:
