@@ -123,6 +123,7 @@ class KVCache:
         self.batch_size, self.num_kv_heads, self._max_length = B, H, S
         self.head_dim, self.value_dim = D, Dv
         self.xp, self.device, self._dtype = xp, device, dtype
+        self._follows_keys = False
 
     @classmethod
     def allocate(
@@ -138,9 +139,11 @@ class KVCache:
         dtype: Any = None,
     ) -> KVCache:
         """Zero-filled buffers for ``batch_size`` sequences of up to ``max_length``
-        positions. With ``dtype=None`` the buffers are created at the first append, in
-        the dtype of the appended keys (which follow the layer's parameters), and, when
-        ``xp`` is also ``None``, in their library and on their device.
+        positions. With ``dtype=None`` the buffers follow the first keys appended (which
+        follow the layer's parameters): their dtype and, when ``xp`` is ``None``, their
+        library and device. With ``xp`` given and ``dtype=None``, float32 buffers are made
+        at once and replaced by buffers of the keys' dtype at the first append if that
+        differs (nothing is cached yet then).
 
         Examples:
             >>> import numpy as np
@@ -159,6 +162,10 @@ class KVCache:
         if dtype is None:
             ns = None if xp is None else resolve_namespace(xp)
             self._init_shape(B, H, S, D, Dv, ns, device, None)
+            self._follows_keys = True
+            if ns is not None:  # provisional buffers (callers may hold them already)
+                self._dtype = ns.float32
+                self._materialise()
         else:
             ns = resolve_namespace(xp)
             self._init_shape(B, H, S, D, Dv, ns, device, dtype)
@@ -241,6 +248,8 @@ class KVCache:
                     f"its capacity max_length={self._max_length}; allocate a longer cache or "
                     f"reset(rows={b}) when the sequence has finished"
                 )
+        if self._rebinds(dtype):
+            return
         if dtype is not None and self._dtype is not None and dtype != self._dtype:
             raise TypeError(
                 f"the new keys/values have dtype {dtype} but the KV cache (capacity "
@@ -272,7 +281,7 @@ class KVCache:
         n = host_lengths("lengths", n, self.batch_size, ks[2])
         self.check_append(n, key.dtype)
         snap = self._snapshot()
-        if self.keys is None:
+        if self.keys is None or self._rebinds(key.dtype):
             self._bind(xp, key)
         try:
             namespace_of(cache=self.keys, key=key)
@@ -293,6 +302,17 @@ class KVCache:
                     self.values = self._write(xp, self.values, vb, (slice(b, b + 1), s, s + m))
         self._lengths += np.asarray(n, dtype=np.int64)
         return self.filled()
+
+    def _rebinds(self, dtype: Any) -> bool:
+        """True when provisional buffers (``dtype=None``) must be remade for keys of
+        ``dtype``: nothing is cached yet and the dtypes differ."""
+        return (
+            self._follows_keys
+            and self.keys is not None
+            and dtype is not None
+            and dtype != self._dtype
+            and not self._lengths.any()
+        )
 
     def _bind(self, xp: Any, key: Array) -> None:
         # A cache allocated without a dtype takes the first keys' dtype (and their

@@ -365,3 +365,18 @@ class _NumpyBackend:
 
 
 _NP = _NumpyBackend()
+
+
+def test_cache_dtype_follows_the_parameters_with_or_without_xp(backend):
+    thin(backend, False)
+    mha = MultiHeadAttention(**CFG)
+    p = {k: backend.asarray(v) for k, v in params(mha).items()}  # float64
+    x = backend.asarray(np.random.default_rng(20).standard_normal((3, 2, 16)))
+    for cache in (
+        mha.new_cache(3, 4),
+        mha.new_cache(3, 4, xp=backend.xp, device=backend.device),  # provisional float32
+        mha.new_paged_cache(3, num_pages=6, page_size=2),
+    ):
+        mha(p, x, cache=cache)
+        assert cache.dtype == backend.xp.float64, cache
+        assert cache.lengths.tolist() == [2, 2, 2]
