@@ -58,16 +58,18 @@ class PathCost:
 # From bench/calibrate_auto.py's fits and repeated interleaved timings on a 2-vCPU AMD
 # EPYC (NumPy 2.4 + OpenBLAS, PyTorch 2.13 CPU, float32), rounded: the machine is shared
 # and single fits moved by 2-5x under load, so these are typical values, not one run's.
+# NumPy's batched matmul calls (multi-threaded) OpenBLAS once per small product: ``mat``
+# is that call's cost, which the fast path avoids (one thread per tile, BLAS pinned to 1).
 # "array" is every non-NumPy array-API library (measured on PyTorch CPU tensors).
 COSTS: dict[tuple[str, str], PathCost] = {
     ("fast", "numpy"): PathCost(
         call=100e-6, step=40e-6, mat=0.0, elem=1.0e-9, mac=0.03e-9, elem_threaded=True
     ),
     ("composed", "numpy"): PathCost(
-        call=50e-6, step=50e-6, mat=1.5e-6, elem=8.0e-9, mac=0.03e-9, elem_threaded=False
+        call=50e-6, step=50e-6, mat=4.0e-6, elem=8.0e-9, mac=0.03e-9, elem_threaded=False
     ),
     ("chunked", "numpy"): PathCost(
-        call=80e-6, step=100e-6, mat=2.0e-6, elem=9.0e-9, mac=0.03e-9, elem_threaded=False
+        call=80e-6, step=100e-6, mat=4.0e-6, elem=9.0e-9, mac=0.03e-9, elem_threaded=False
     ),
     ("composed", "array"): PathCost(
         call=0.8e-3, step=110e-6, mat=0.05e-6, elem=1.5e-9, mac=0.06e-9, elem_threaded=True
