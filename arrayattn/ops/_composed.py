@@ -1,8 +1,14 @@
-"""The composed attention path: whole ``L x S`` score matrices, array-API operations only.
+"""The composed attention path: exact softmax over whole score rows, array-API operations only.
 
 This is the reference implementation every other path (chunked, NumPy fast path, CuPy
 kernel) is tested against, and the one that runs on any array-API library.
 All arrays here are in the grouped layout of :class:`AttentionSpec`.
+
+Query rows go in blocks (:func:`row_blocks`) that see only the keys their rows can
+attend to, so causal and windowed calls skip what they would otherwise compute and
+discard, and each block's scores stay small enough to reuse allocator memory. The query
+heads of a GQA group are stacked as rows of one product per KV head
+(:func:`group_matmul`): K and V are read once per group.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ def group_matmul_t(xp: Namespace, left_g: Array, right_g: Array) -> Array:
     )
     out = xp.matmul(xp.matrix_transpose(stack_rows(xp, left_g)), stack_rows(xp, right_g))
     return xp.expand_dims(out, axis=-3)
+
 
 RENORMALISE_LSE_ERROR = 1e-4
 """Backward passes renormalise ``exp(S - LSE)`` on rows whose ``|LSE| * eps`` exceeds this:
@@ -435,7 +442,6 @@ def reshape_lse(spec: AttentionSpec, lse: Array) -> Array:
     if tuple(lse.shape) != full:
         lse = xp.broadcast_to(lse, full)
     return xp.reshape(lse, spec.lse_shape)
-
 
 
 def backward(

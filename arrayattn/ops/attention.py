@@ -189,11 +189,12 @@ def scaled_dot_product_attention(
         return_lse: also return the log-sum-exp.
         implementation: ``"auto"`` or a name from :func:`implementations`
             (``"composed"``: whole ``L x S`` score matrices; ``"chunked"``: online
-            softmax over key blocks, memory ``O(L x block)``). ``"auto"`` tries the
-            registered paths by rank (a backend-specific fast path first, when one takes
-            the call), then ``"chunked"`` when the composed path's score matrix,
-            ``batch * Hq * L * S * 4`` bytes (8 for float64), would exceed
-            ``arrayattn.ops.chunked.AUTO_CHUNK_BYTES`` (256 MiB), else ``"composed"``.
+            softmax over key blocks, memory ``O(L x block)``). ``"auto"`` runs the CuPy
+            kernel when it takes the call, else the cheapest of ``"composed"``,
+            ``"chunked"`` and the NumPy ``"fast"`` path by a measured cost model
+            (``arrayattn.ops._cost``; docs: Performance, "How auto chooses"), never
+            ``"composed"`` when one of its row blocks would exceed
+            ``arrayattn.ops.chunked.AUTO_CHUNK_BYTES`` (256 MiB).
         q_lengths, kv_lengths: optional integer arrays of the broadcast batch shape
             (``(B,)`` for 4-D inputs; ``()`` for 3-D), same library and device: the
             number of valid queries / keys of each sequence (padding at the end; values
