@@ -13,6 +13,8 @@ heads of a GQA group are stacked as rows of one product per KV head
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .._backend import Array, Namespace, full_scalar, sum_to_shape
 from ._attention_spec import AttentionSpec
 from .dropout import dropout_keep
@@ -174,6 +176,43 @@ def value_operands(spec: AttentionSpec, vg: Array) -> tuple[Array, Array | None]
     clean = xp.where(finite, vg, full_scalar(xp, 0.0, vg.dtype, spec.device))
     bad = xp.astype(xp.logical_not(xp.all(finite, axis=-1, keepdims=True)), spec.cdtype)
     return clean, bad
+
+
+@dataclass(frozen=True)
+class ValueColumns:
+    """Where the extra columns of :func:`value_columns` sit in ``P @ [V | 1 | bad]``."""
+
+    ev: int
+    total: int | None  # column of the row sums, or None (computed apart)
+    bad: int | None  # column of P @ bad, or None
+
+    def split(self, acc: Array) -> tuple[Array, Array | None, Array | None]:
+        """``(P @ V, row sums or None, P @ bad or None)`` from the extended product."""
+        if self.total is None and self.bad is None:
+            return acc, None, None
+        out = acc[..., : self.ev]
+        total = None if self.total is None else acc[..., self.total : self.total + 1]
+        bad = None if self.bad is None else acc[..., self.bad : self.bad + 1]
+        return out, total, bad
+
+
+def value_columns(spec: AttentionSpec, vc: Array, bad: Array | None) -> tuple[Array, ValueColumns]:
+    """Values extended by a column of ones (the row sums of ``P`` come out of the ``P V``
+    product: a pass over the scores fewer) and the :func:`value_operands` indicator of
+    non-finite value rows, so one product gives all three. Without dropout only: there
+    the sums are of the undropped probabilities."""
+    xp = spec.xp
+    cols = [vc]
+    total = None
+    if spec.dropout_p == 0:
+        total = spec.Ev
+        cols.append(xp.ones(tuple(vc.shape[:-1]) + (1,), dtype=vc.dtype, device=spec.device))
+    at_bad = None
+    if bad is not None:
+        at_bad = spec.Ev + len(cols) - 1
+        cols.append(xp.broadcast_to(bad, tuple(vc.shape[:-1]) + (1,)))
+    ext = cols[0] if len(cols) == 1 else xp.concat(cols, axis=-1)
+    return ext, ValueColumns(spec.Ev, total, at_bad)
 
 
 def poison_rows(spec: AttentionSpec, out: Array, touched: Array | None) -> Array:
@@ -378,6 +417,7 @@ def forward(
     # Garbage (NaN/Inf) in values a pair excludes must not reach the output: cleaned
     # values, and rows that give weight to a non-finite value made NaN (poison_rows).
     vc, bad = value_operands(spec, vg)
+    v_ext, cols_ext = value_columns(spec, vc, bad)
     outs, lses = [], []
     for r0, r1, c0, c1 in row_blocks(spec):
         rows_shape = _block_rows(spec, r1 - r0)
@@ -408,20 +448,19 @@ def forward(
             m_p = xp.max(s, axis=-1, keepdims=True)
             m = m_p if m is None else xp.maximum(m, m_p)
         m = xp.where(xp.isfinite(m), m, zero)  # empty rows: exp(-inf - 0) = 0
-        total = out = touched = None
+        total = acc = None
         for p0, p1, rows, cols, s in parts:
             e = xp.exp(s - m)
-            t = xp.sum(e, axis=-1, keepdims=True)
+            if cols_ext.total is None:  # (with dropout: the sum of the undropped e)
+                t = xp.sum(e, axis=-1, keepdims=True)
+                total = t if total is None else total + t
             if spec.dropout_p > 0:
                 e = apply_dropout(spec, e, rows, cols)
-            v_b, bad_b = (
-                x if x is None or (p0, p1) == (0, spec.S) else x[..., p0:p1, :] for x in (vc, bad)
-            )
+            v_b = v_ext if (p0, p1) == (0, spec.S) else v_ext[..., p0:p1, :]
             o = group_matmul(xp, e, kv_rows(xp, v_b))
-            total, out = (t, o) if total is None else (total + t, out + o)
-            if bad_b is not None:
-                hit = group_matmul(xp, e, kv_rows(xp, bad_b))
-                touched = hit if touched is None else touched + hit
+            acc = o if acc is None else acc + o
+        out, total_g, touched = cols_ext.split(acc)
+        total = total_g if total is None else total
         # Empty means a total of exactly 0; a NaN total (a NaN score) keeps LSE NaN.
         empty = total == zero
         total_safe = xp.where(empty, one, total)

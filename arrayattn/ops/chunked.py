@@ -206,6 +206,7 @@ def forward(
     qg, kg, vg, mask_g = _composed._prepare(spec, query, key, value, attn_mask)
     # Garbage in excluded value rows must not meet P's zeros (0 * NaN is NaN).
     vc, bad = _composed.value_operands(spec, vg)
+    v_ext, cols_ext = _composed.value_columns(spec, vc, bad)
     neg_inf = full_scalar(xp, -math.inf, cd, dev)
     zero = full_scalar(xp, 0.0, cd, dev)
     one = full_scalar(xp, 1.0, cd, dev)
@@ -219,15 +220,12 @@ def forward(
     for r0 in range(0, spec.L, bq):
         r1 = min(r0 + bq, spec.L)
         q_blk = qg if (r0, r1) == (0, spec.L) else qg[..., r0:r1, :]
-        m = total = acc = touched = None
+        m = total = acc = None
         for _, c0, c1, inside in _key_blocks(spec, r0, r1, bk, clip=True):
             rows = cols = None
             if need_index or not inside:
                 rows, cols = _composed.index_block(spec, r0, r1, c0, c1)
-            k_blk, v_blk, bad_blk = (
-                x if x is None or (c0, c1) == (0, spec.S) else x[..., c0:c1, :]
-                for x in (kg, vc, bad)
-            )
+            k_blk, v_blk = (x if (c0, c1) == (0, spec.S) else x[..., c0:c1, :] for x in (kg, v_ext))
             s, _ = _composed.scores_block(
                 spec,
                 q_blk,
@@ -244,35 +242,32 @@ def forward(
             # exp gives 0 and never NaN.
             m_safe = xp.where(xp.isfinite(m_new), m_new, zero)
             p = xp.exp(s - m_safe)
-            if spec.dropout_p > 0:
-                p_v = _composed.apply_dropout(spec, p, rows, cols)
-            else:
-                p_v = p
-            pv = _composed.group_matmul(xp, p_v, _composed.kv_rows(xp, v_blk))
-            # P @ bad (rescaled like acc, so it matches the composed path's): rows that
-            # give weight to a non-finite value.
-            hit = None
-            if bad_blk is not None:
-                hit = _composed.group_matmul(xp, p_v, _composed.kv_rows(xp, bad_blk))
+            t = None
+            if cols_ext.total is None:  # dropout: the sum of the undropped probabilities
+                t = xp.sum(p, axis=-1, keepdims=True)
+                p = _composed.apply_dropout(spec, p, rows, cols)
+            # [P V | P 1 | P bad]: the output, the row sums and the rows that give weight
+            # to a non-finite value, in one product (and one rescale).
+            pv = _composed.group_matmul(xp, p, _composed.kv_rows(xp, v_blk))
             if m is None:  # first block: nothing to rescale
-                total = xp.sum(p, axis=-1, keepdims=True)
-                acc, touched = pv, hit
+                acc, total = pv, t
             else:
                 alpha = xp.exp(m - m_safe)
-                total = total * alpha + xp.sum(p, axis=-1, keepdims=True)
                 acc = acc * alpha + pv
-                if hit is not None:
-                    touched = touched * alpha + hit
+                if t is not None:
+                    total = total * alpha + t
             m = m_new
         if m is None:  # no key block for these rows
             outs.append(xp.zeros(rows_shape + (r1 - r0, spec.Ev), dtype=cd, device=dev))
             lses.append(xp.full(rows_shape + (r1 - r0, 1), -math.inf, dtype=cd, device=dev))
             continue
+        out_b, total_g, touched = cols_ext.split(acc)
+        total = total_g if total is None else total
         # Empty means a total of exactly 0; a NaN total (a NaN score) keeps LSE NaN.
         empty = total == zero
         total_safe = xp.where(empty, one, total)
         m_safe = xp.where(xp.isfinite(m), m, zero)
-        out_b = _composed.poison_rows(spec, acc / total_safe, touched)
+        out_b = _composed.poison_rows(spec, out_b / total_safe, touched)
         outs.append(xp.broadcast_to(out_b, rows_shape + (r1 - r0, spec.Ev)))
         lse = xp.where(empty, neg_inf, m_safe + xp.log(total_safe))
         lses.append(xp.broadcast_to(lse, rows_shape + (r1 - r0, 1)))
