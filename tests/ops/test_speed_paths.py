@@ -141,6 +141,35 @@ def test_gqa_stacking_every_mask_kind_every_path(backend, mask, structure):
             )
 
 
+@pytest.mark.parametrize("impl", ["composed", "chunked", "fast"])
+def test_dropout_identical_on_every_path_with_blocks_and_gqa(backend, impl):
+    """The same seed drops the same probabilities whatever the path's blocking (many
+    composed row blocks, trimmed chunked blocks, GQA-stacked fast tiles)."""
+    if impl == "fast" and backend.name != "numpy":
+        pytest.skip("the fast path runs on NumPy")
+    if backend.compiles_per_shape and impl != "composed":
+        pytest.skip("jax: one representative case")
+    rng = np.random.default_rng(5)
+    B, Hq, Hkv, L, S, E = 2, 4, 2, 6, 10, 3
+    q, k, v = (rng.standard_normal(sh) for sh in ((B, Hq, L, E), (B, Hkv, S, E), (B, Hkv, S, E)))
+    kw = dict(is_causal=True, causal_align="bottom_right")
+    exp_out, exp_lse = _reference(q, k, v, None, kw, (0.25, 1234))
+    args = [backend.asarray(x) for x in (q, k, v)]
+    block_bytes = B * Hq * S * 8 * 2 if backend.compiles_per_shape else 256
+    with _small_composed_blocks(block_bytes):
+        out, lse = aa.scaled_dot_product_attention(
+            *args,
+            enable_gqa=True,
+            dropout_p=0.25,
+            seed=1234,
+            return_lse=True,
+            implementation=impl,
+            **kw,
+        )
+    xp_assert_close(backend, out, exp_out, dtype="float64")
+    xp_assert_close(backend, lse, exp_lse, dtype="float64")
+
+
 def test_composed_row_blocks_skip_keys_outside_the_band():
     q = np.ones((1, 2, 512, 8), np.float32)
     causal = make_spec(q, q, q, None, 0.0, True, None, False, "top_left", None, None, None)
@@ -212,6 +241,7 @@ SPLIT_CASES = {
     "bool_mask_empty_split": dict(Hkv=1, G=2, L=2, S=16, kw={}, mask="first_half_out"),
     "float_mask": dict(Hkv=1, G=2, L=2, S=16, kw={}, mask="float"),
     "dropout": dict(Hkv=1, G=4, L=1, S=30, kw={}, dropout=(0.3, 77)),
+    "kv_lengths": dict(Hkv=2, G=2, L=2, S=24, kw={}, kv_lengths=(5, 0)),
 }
 
 
@@ -221,9 +251,10 @@ def test_fast_split_kv_merge_matches_the_oracle(name, dtype):
     c = SPLIT_CASES[name]
     rng = np.random.default_rng(11)
     Hq = c["Hkv"] * c["G"]
-    q = rng.standard_normal((1, Hq, c["L"], 8)).astype(dtype)
-    k = rng.standard_normal((1, c["Hkv"], c["S"], 8)).astype(dtype)
-    v = rng.standard_normal((1, c["Hkv"], c["S"], 8)).astype(dtype)
+    B = 2 if "kv_lengths" in c else 1
+    q = rng.standard_normal((B, Hq, c["L"], 8)).astype(dtype)
+    k = rng.standard_normal((B, c["Hkv"], c["S"], 8)).astype(dtype)
+    v = rng.standard_normal((B, c["Hkv"], c["S"], 8)).astype(dtype)
     m = None
     if c.get("mask") == "first_half_out":  # the first splits have no key at all
         m = np.arange(c["S"]) >= c["S"] // 2
@@ -232,7 +263,16 @@ def test_fast_split_kv_merge_matches_the_oracle(name, dtype):
     kw = dict(c["kw"], enable_gqa=True, return_lse=True)
     if "dropout" in c:
         kw.update(dropout_p=c["dropout"][0], seed=c["dropout"][1])
-    exp_out, exp_lse = _reference(q, k, v, m, c["kw"], c.get("dropout"))
+    ref_mask = m
+    if "kv_lengths" in c:
+        lengths = np.array(c["kv_lengths"])
+        kw.update(kv_lengths=lengths)
+        ref_mask = np.arange(c["S"])[None, None, None, :] < lengths[:, None, None, None]
+    exp_out, exp_lse = _reference(q, k, v, ref_mask, c["kw"], c.get("dropout"))
+    if "kv_lengths" in c:  # keys past each sequence's length may hold garbage
+        for b, n in enumerate(lengths):
+            k[b, :, n:] = np.nan
+            v[b, :, n:] = np.inf
     with _forced_splits():
         spec = make_spec(
             q,
@@ -256,6 +296,7 @@ def test_fast_split_kv_merge_matches_the_oracle(name, dtype):
     # The same call through the composed path (dropout: the same mask everywhere).
     out_c = aa.scaled_dot_product_attention(q, k, v, m, implementation="composed", **kw)[0]
     np.testing.assert_allclose(out, out_c, rtol=tol, atol=tol)
+    assert not np.isnan(out).any()
     assert spec.Hq == Hq
 
 
