@@ -114,10 +114,10 @@ def forward(
     cd = lay.cd
     nb = len(lay.lead_index)
     n, heads, width = tile_plan(spec)
+    lay.prepare_garbage()
     # The static bound needs a pass over all of K (its row norms): worth it when the
     # passes it saves over each tile's scores (the row max and the shift) cost more,
     # i.e. with many stacked rows; decode tiles read K once, in the product, instead.
-    lay.prepare_garbage()
     # Non-finite values: the exact path, which tracks the rows that attend to them.
     use_static = heads * n >= STATIC_MIN_ROWS and lay.v_bad is None
     static_bound = _nf._static_bounds(spec, lay) if use_static else None
