@@ -1,0 +1,2 @@
+"""arrayattn.testing: check any attention implementation against arrayattn's contract.
+(placeholder)"""
