@@ -332,7 +332,14 @@ def _forward(
     kv_lengths,
     sinks,
     alibi_slopes,
+    rnd: Any = None,
+    matmul: Any = None,
 ) -> _Forward:
+    # ``rnd`` rounds intermediates to a low precision and ``matmul`` multiplies in it: the
+    # naive same-dtype computation whose error sets FlashAttention's tolerance
+    # (arrayattn.testing._compare).
+    rnd = rnd or (lambda x: x)
+    matmul = matmul or np.matmul
     q, k, v = (to_numpy(x).astype(np.float64) for x in (query, key, value))
     shapes = (q.shape, k.shape, v.shape)
     ndim = max(q.ndim, k.ndim, v.ndim, 3)
@@ -392,11 +399,11 @@ def _forward(
     k = np.where(seen, k, 0.0)
     v = np.where(seen, v, 0.0)
 
-    s = (q @ np.swapaxes(k, -1, -2)) * scale
+    s = rnd(matmul(q, np.swapaxes(k, -1, -2)) * scale)
     tanh = None
     if softcap is not None:
         tanh = np.tanh(s / softcap)
-        s = softcap * tanh
+        s = rnd(softcap * tanh)
     if fmask is not None:
         s = s + fmask
     if alibi_slopes is not None:
@@ -409,15 +416,15 @@ def _forward(
         sink = np.broadcast_to(to_numpy(sinks).astype(np.float64)[..., None], lead + (Hq, L))
         row_max = np.maximum(row_max, sink)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    e = np.exp(s - row_max[..., None])
-    total = np.sum(e, axis=-1)
+    e = rnd(np.exp(rnd(s - row_max[..., None])))
+    total = rnd(np.sum(e, axis=-1))
     e_sink = None
     if sink is not None:
         e_sink = np.exp(sink - row_max)
         total = total + e_sink
     nonempty = total > 0
     safe = np.where(nonempty, total, 1.0)
-    p = np.where(nonempty[..., None], e / safe[..., None], 0.0)
+    p = rnd(np.where(nonempty[..., None], e / safe[..., None], 0.0))
     lse = np.where(nonempty, row_max + np.log(safe), -np.inf)
     p_sink = None if e_sink is None else np.where(nonempty, e_sink / safe, 0.0)
     drop_scale = None
@@ -425,7 +432,7 @@ def _forward(
     if dropout_p > 0:
         drop_scale = dropout_keep(seed, dropout_p, lead, Hq, L, S) / (1.0 - dropout_p)
         pd = p * drop_scale
-    out = pd @ v
+    out = matmul(rnd(pd), v)
     out_ndim = max(len(x) for x in shapes)
     return _Forward(
         shapes,
