@@ -207,8 +207,7 @@ def selected_backends(option: str | Sequence[str] | None = None) -> list[str]:
     unknown = sorted(set(names) - set(BACKENDS))
     if unknown:
         raise ValueError(
-            f"backends (--backends / {ENV_VAR}) names unknown backends {unknown}; "
-            f"known: {BACKENDS}"
+            f"backends (--backends / {ENV_VAR}) names unknown backends {unknown}; known: {BACKENDS}"
         )
     return names
 

@@ -121,9 +121,7 @@ def _as_backend(xp: Any) -> Backend | None:
     ):
         if key in name:
             return make_backend(backend)
-    raise TypeError(
-        f"xp must be a backend name, a Backend or an array-API namespace, got {xp!r}"
-    )
+    raise TypeError(f"xp must be a backend name, a Backend or an array-API namespace, got {xp!r}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -247,8 +245,7 @@ class AttentionCall:
                 "shape": list(self.attn_mask.shape),
             },
             "options": {
-                k: (v.tolist() if isinstance(v, np.ndarray) else v)
-                for k, v in self.options.items()
+                k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in self.options.items()
             },
             "features": sorted(self.features),
         }

@@ -95,10 +95,7 @@ def shapes(
 
 
 def _lead(sh: Shapes) -> tuple[int, ...]:
-    return tuple(
-        int(d)
-        for d in np.broadcast_shapes(sh.query[:-3], sh.key[:-3], sh.value[:-3])
-    )
+    return tuple(int(d) for d in np.broadcast_shapes(sh.query[:-3], sh.key[:-3], sh.value[:-3]))
 
 
 def _heads(sh: Shapes) -> int:
