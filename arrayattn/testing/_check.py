@@ -149,7 +149,13 @@ def check_call(adapter: Adapter, backend: Backend, call: AttentionCall) -> None:
         if lse is None:
             raise AssertionError("lse: the function returned none")
         assert_attention_close(lse, expected_lse, dtype=_lse_dtype(call.dtype), what="lse")
-    if "gradients" in call.features and adapter.vjp is not None:
+    # Gradients are compared in float32/float64 only: the kit has no naive low-precision
+    # backward to set FlashAttention's rule for them.
+    if (
+        "gradients" in call.features
+        and adapter.vjp is not None
+        and call.dtype in ("float32", "float64")
+    ):
         rng = np.random.default_rng(0)
         d_out = rng.standard_normal(expected.shape)
         from ._compare import round_to_dtype

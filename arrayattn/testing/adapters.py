@@ -256,14 +256,14 @@ def arrayattn_sdpa(xp: str | Backend = "numpy", implementation: str = "auto") ->
             sdpa, q, k, v, m, return_lse=want_lse, implementation=implementation, **call.kwargs(b)
         )
         if want_lse:
-            return b.to_numpy(res[0]).astype(np.float64), b.to_numpy(res[1]).astype(np.float64)
-        return b.to_numpy(res).astype(np.float64), None
+            return to_numpy(res[0]).astype(np.float64), to_numpy(res[1]).astype(np.float64)
+        return to_numpy(res).astype(np.float64), None
 
     def grads(call: AttentionCall, b: Backend, d_out: np.ndarray) -> tuple[np.ndarray, ...]:
         q, k, v, m = call.arrays(b)
         cot = call._to(b, d_out)
         _, g = b.vjp(sdpa, (q, k, v, m), cot, implementation=implementation, **call.kwargs(b))
-        return tuple(b.to_numpy(x).astype(np.float64) for x in g[:3])
+        return tuple(to_numpy(x).astype(np.float64) for x in g[:3])
 
     return Adapter(
         name=f"arrayattn.scaled_dot_product_attention ({implementation})",

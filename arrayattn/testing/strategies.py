@@ -210,13 +210,14 @@ def attention_calls(
         return name in allowed and draw(st.booleans())
 
     # Decisions first, sizes next: hypothesis shrinks toward the first choices.
-    dtype_pool = list(dtypes)
-    if "low_precision" in allowed:
-        low = want("low_precision")
-        if low:
-            dtype_pool = ["float16", "bfloat16"]
-    if backend is not None:
-        dtype_pool = [d for d in dtype_pool if backend.dtype(d) is not None]
+    def present(pool: list[str]) -> list[str]:
+        return pool if backend is None else [d for d in pool if backend.dtype(d) is not None]
+
+    dtype_pool = present(list(dtypes))
+    # Low precision only where the backend has float16 or bfloat16 (not array-api-strict).
+    low_pool = present(["float16", "bfloat16"])
+    if "low_precision" in allowed and low_pool and want("low_precision"):
+        dtype_pool = low_pool
     if not dtype_pool:
         raise ValueError(f"none of the dtypes {list(dtypes)} exists on {backend}")
     dtype = draw(st.sampled_from(dtype_pool))
