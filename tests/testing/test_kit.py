@@ -105,9 +105,14 @@ def test_assert_attention_close_messages():
     with pytest.raises(AssertionError, match=r"output \(float32\): NaN at index \(1, 2\)"):
         assert_attention_close(a, e, dtype="float32")
     lse = np.array([0.5, -np.inf])
-    with pytest.raises(AssertionError, match=r"lse \(float32\): 0.5 at index \(1,\), expected -inf"):
+    with pytest.raises(
+        AssertionError, match=r"lse \(float32\): 0.5 at index \(1,\), expected -inf"
+    ):
         assert_attention_close(np.array([0.5, 0.5]), lse, dtype="float32", what="lse")
-    with pytest.raises(AssertionError, match=r"max abs error 0.001 at index \(1,\) .*relative Frobenius error 0.000447; allowed 2e-05"):
+    with pytest.raises(
+        AssertionError,
+        match=r"max abs error 0.001 at index \(1,\) .*relative Frobenius error 0.000447; allowed 2e-05",
+    ):
         assert_attention_close(np.array([1.0, 2.001]), np.array([1.0, 2.0]), dtype="float32")
     assert_attention_close(np.array([1.0, 2.0 + 1e-6]), np.array([1.0, 2.0]), dtype="float32")
     assert_attention_close(lse, lse, dtype="float64")
@@ -175,7 +180,9 @@ def test_arrayattn_passes_on_every_backend(backend):
     report = check_attention(adapter=arrayattn_sdpa(backend), examples=examples, features=features)
     assert report.ok, report.table()
     for row in report.rows:
-        optional = ("sinks", "alibi") + (("low_precision",) if backend.dtype("float16") is None else ())
+        optional = ("sinks", "alibi") + (
+            ("low_precision",) if backend.dtype("float16") is None else ()
+        )
         if row.feature not in optional:
             assert row.status == "passed", report.table()
     again = json.loads(report.to_json())
