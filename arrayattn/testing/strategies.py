@@ -21,7 +21,7 @@ from ._backends import Backend
 from ._calls import FEATURES, AttentionCall, _as_backend, library_features
 from ._compare import round_to_dtype
 
-__all__ = ["Shapes", "shapes", "masks", "attention_calls"]
+__all__ = ["Shapes", "shapes", "masks", "attention_calls", "attention_problems"]
 
 _BROADCASTS = ("kv_batch_1", "q_batch_1", "kv_no_batch", "extra_lead", "one_kv_head", "no_lead")
 
@@ -361,3 +361,40 @@ def attention_calls(
         used.add("low_precision")
     q, k, v = (round_to_dtype(x, dtype) for x in (q, k, v))
     return AttentionCall(q, k, v, mask, options, dtype, frozenset(used), backend)
+
+
+@st.composite
+def attention_problems(draw: Any, structure: bool = True, gqa: bool = True) -> tuple:
+    """Compact attention problems ``(q_shape, k_shape, mask_kind, kwargs, seed)``:
+    4-D shapes with ``L``, ``S`` in 1..9 and ``Hq = G * Hkv``, optional causal alignment
+    and window (``structure``), softcap and scale, a mask kind (``None``, ``"bool"``,
+    ``"float"``) and a NumPy seed for the values. Tests that build their own arrays
+    (``helpers.attention_inputs``) draw these; :func:`attention_calls` draws whole calls.
+
+    Examples:
+        >>> from hypothesis import find
+        >>> from arrayattn.testing.strategies import attention_problems
+        >>> q_shape, k_shape, mask, kwargs, seed = find(attention_problems(), lambda p: True)
+        >>> len(q_shape), q_shape[-1] == k_shape[-1]
+        (4, True)
+    """
+    B = draw(st.integers(1, 2))
+    Hkv = draw(st.integers(1, 3))
+    G = draw(st.integers(1, 3)) if gqa else 1
+    L = draw(st.integers(1, 9))
+    S = draw(st.integers(1, 9))
+    E = draw(st.sampled_from([1, 3, 4, 8]))
+    kwargs: dict[str, Any] = {"enable_gqa": G > 1}
+    if structure:
+        if draw(st.booleans()):
+            kwargs["is_causal"] = True
+        kwargs["causal_align"] = draw(st.sampled_from(["top_left", "bottom_right"]))
+        if draw(st.booleans()):
+            kwargs["window"] = (draw(st.integers(-1, 4)), draw(st.integers(-1, 4)))
+    if draw(st.booleans()):
+        kwargs["softcap"] = draw(st.floats(0.5, 5.0))
+    if draw(st.booleans()):
+        kwargs["scale"] = draw(st.floats(0.1, 2.0))
+    mask = draw(st.sampled_from([None, "bool", "float"]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    return (B, Hkv * G, L, E), (B, Hkv, S, E), mask, kwargs, seed
