@@ -1,7 +1,6 @@
 """The ``arrayattn`` pytest plugin: the ``xp`` fixture over ``--backends`` /
 ``ARRAYATTN_BACKENDS``, and its coexistence with arrayattn's own ``tests/conftest.py``
-(plugin on, plugin off). Each case runs pytest in a subprocess (the plugin is loaded by
-module name here, as its entry point does in an installed environment)."""
+(plugin on, plugin off). Each case runs pytest in a subprocess."""
 
 from __future__ import annotations
 
@@ -14,7 +13,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PLUGIN = ["-p", "arrayattn.testing.pytest_plugin"]
+
+
+def _entry_point_installed() -> bool:
+    from importlib.metadata import entry_points
+
+    return any(ep.name == "arrayattn" for ep in entry_points(group="pytest11"))
+
+
+# Installed with its entry point (pip install -e '.[test]'), pytest loads the plugin
+# itself (loading it again by module name would register it twice); otherwise load it by
+# module name, as the entry point would.
+PLUGIN = [] if _entry_point_installed() else ["-p", "arrayattn.testing.pytest_plugin"]
 
 USER_TEST = """
 import numpy as np
