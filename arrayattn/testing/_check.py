@@ -20,7 +20,16 @@ __all__ = ["check_attention", "check_call", "ConformanceReport", "FeatureResult"
 PASSED, FAILED, UNSUPPORTED, CONVENTION = "passed", "failed", "not supported", "convention"
 EMPTY_ROW_MECHANISMS = ("bool_mask", "float_mask", "lengths", "causal_bottom_right")
 # Options a gradient check exercises besides plain attention (where supported).
-GRADIENT_OPTIONS = ("gqa", "scale", "float_mask", "causal_top_left", "causal_bottom_right")
+GRADIENT_OPTIONS = (
+    "gqa",
+    "scale",
+    "float_mask",
+    "causal_top_left",
+    "causal_bottom_right",
+    "softcap",
+    "sinks",
+    "alibi",
+)
 
 
 @dataclass
