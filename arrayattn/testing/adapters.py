@@ -81,6 +81,12 @@ class Adapter:
     notes: tuple[str, ...] = ()
 
 
+def _np_dtype(x: Any) -> Any:
+    """The NumPy dtype of an array's values (float32 for bfloat16, which NumPy lacks)."""
+    name = str(x.dtype).rsplit(".", 1)[-1]
+    return np.float32 if name == "bfloat16" else np.dtype(name)
+
+
 def _blhd(x: Any, xp: Any) -> Any:
     """``(..., H, L, D)`` <-> ``(..., L, H, D)`` (its own inverse)."""
     axes = tuple(range(x.ndim - 3)) + (x.ndim - 2, x.ndim - 3, x.ndim - 1)
@@ -156,6 +162,14 @@ def for_function(
     if layout not in ("BHLD", "BLHD"):
         raise ValueError(f"layout must be 'BHLD' or 'BLHD', got {layout!r}")
     backend = xp if isinstance(xp, Backend) else make_backend(xp)
+    import arrayattn
+
+    if vjp is None and fn in arrayattn.differentiable_ops():
+        # arrayattn's own ops: their hand-written backward, on any backend.
+        def vjp(q: Any, k: Any, v: Any, mask: Any, d_out: Any, **options: Any) -> Any:
+            _, pullback = arrayattn.vjp(fn, q, k, v, mask, **options)
+            return pullback(backend.asarray(np.asarray(d_out, dtype=_np_dtype(q))))
+
     if supports is None:
         supports = _supports_from_signature(fn)
         if backend.name in ("torch", "jax") or vjp is not None:
