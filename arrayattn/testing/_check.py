@@ -3,6 +3,7 @@ feature, each a hypothesis search that shrinks a failure to a minimal example.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -257,8 +258,8 @@ def check_attention(
         if fn is None:
             raise TypeError("check_attention needs fn or adapter=, got neither")
         adapter = for_function(fn, layout=layout, supports=supports, xp=xp)
-    elif supports is not None:
-        adapter.supports = frozenset(supports)
+    elif supports is not None:  # a copy: the caller's adapter is left as it was
+        adapter = dataclasses.replace(adapter, supports=frozenset(supports))
     backend = make_backend(adapter.backend)
     supported = adapter.supports
     if adapter.vjp is None:
