@@ -264,10 +264,29 @@ def arrayattn_sdpa(xp: str | Backend = "numpy", implementation: str = "auto") ->
     backend = xp if isinstance(xp, Backend) else make_backend(xp)
     sdpa = aa.scaled_dot_product_attention
 
+    def guarded(fn: Callable[[], Any]) -> Any:
+        # A named implementation may decline a call (the NumPy fast path: empty sizes,
+        # other libraries): not a failure of the contract.
+        try:
+            return fn()
+        except ValueError as exc:
+            if implementation != "auto" and "cannot run this call" in str(exc):
+                raise NotExpressible(str(exc)) from exc
+            raise
+
     def run(call: AttentionCall, b: Backend, want_lse: bool) -> Result:
         q, k, v, m = call.arrays(b)
-        res = b.call(
-            sdpa, q, k, v, m, return_lse=want_lse, implementation=implementation, **call.kwargs(b)
+        res = guarded(
+            lambda: b.call(
+                sdpa,
+                q,
+                k,
+                v,
+                m,
+                return_lse=want_lse,
+                implementation=implementation,
+                **call.kwargs(b),
+            )
         )
         if want_lse:
             return to_numpy(res[0]).astype(np.float64), to_numpy(res[1]).astype(np.float64)
@@ -276,7 +295,9 @@ def arrayattn_sdpa(xp: str | Backend = "numpy", implementation: str = "auto") ->
     def grads(call: AttentionCall, b: Backend, d_out: np.ndarray) -> tuple[np.ndarray, ...]:
         q, k, v, m = call.arrays(b)
         cot = call._to(b, d_out)
-        _, g = b.vjp(sdpa, (q, k, v, m), cot, implementation=implementation, **call.kwargs(b))
+        _, g = guarded(
+            lambda: b.vjp(sdpa, (q, k, v, m), cot, implementation=implementation, **call.kwargs(b))
+        )
         return tuple(to_numpy(x).astype(np.float64) for x in g[:3])
 
     return Adapter(

@@ -190,6 +190,13 @@ def test_arrayattn_passes_on_every_backend(backend):
     assert again["ok"] and len(again["rows"]) == len(report.rows)
 
 
+@pytest.mark.parametrize("implementation", [i for i in aa.implementations() if i != "auto"])
+def test_every_implementation_passes_on_numpy(implementation):
+    adapter = arrayattn_sdpa("numpy", implementation=implementation)
+    report = check_attention(adapter=adapter, examples=3)
+    assert report.ok, report.table()
+
+
 def _fake_flash_attn_func(
     q,
     k,
