@@ -62,6 +62,7 @@ def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginMa
         add_backends_option(parser)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if not plugin_active(metafunc.config.pluginmanager):
         parametrize_backends(metafunc)

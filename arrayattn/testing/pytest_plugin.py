@@ -35,6 +35,7 @@ def pytest_configure(config: pytest.Config) -> None:
     backend_names(config)  # a bad --backends is a usage error before collection
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     parametrize_backends(metafunc)
 
