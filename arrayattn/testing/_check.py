@@ -362,14 +362,19 @@ def _run_row(
             ),
         )
     except NoSuchExample:
+        checked = counts["run"] - counts["skipped"] - counts["left_out"]
+        if checked == 0:  # nothing the function could express: no evidence either way
+            return FeatureResult(
+                feature,
+                UNSUPPORTED,
+                f"none of {counts['run']} drawn calls was expressible or kept",
+                None,
+                0,
+                counts["skipped"],
+                counts["left_out"],
+            )
         return FeatureResult(
-            feature,
-            PASSED,
-            "",
-            None,
-            counts["run"] - counts["skipped"] - counts["left_out"],
-            counts["skipped"],
-            counts["left_out"],
+            feature, PASSED, "", None, checked, counts["skipped"], counts["left_out"]
         )
     if not fails(minimal):  # flaky: report what the search saw
         detail = "failed during the search but not when re-run (flaky)"

@@ -282,3 +282,17 @@ def test_cli_reports_missing_peer_cleanly():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 2, res.stderr
     assert "keras is not installed" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_rows_with_nothing_expressible_are_not_passed():
+    from arrayattn.testing.adapters import NotExpressible
+
+    def never(q, k, v, **options):
+        raise NotExpressible("nothing")
+
+    adapter = arrayattn_sdpa("numpy")
+    adapter = type(adapter)(
+        name="never", run=lambda c, b, w: never(c, b, w), supports=adapter.supports
+    )
+    report = check_attention(adapter=adapter, examples=3, features=["basic", "window"])
+    assert [r.status for r in report.rows] == ["not supported", "not supported"], report.table()
