@@ -176,7 +176,15 @@ def test_arrayattn_passes_on_every_backend(backend):
     features = None
     examples = 3
     if backend.compiles_per_shape:
-        features = ["basic", "causal_bottom_right", "gqa", "empty_rows", "lse", "gradients"]
+        features = [
+            "basic",
+            "causal_bottom_right",
+            "gqa",
+            "empty_rows",
+            "lengths",  # concrete lengths closed over by a jitted call
+            "lse",
+            "gradients",
+        ]
         examples = 2
     report = check_attention(adapter=arrayattn_sdpa(backend), examples=examples, features=features)
     assert report.ok, report.table()
