@@ -28,6 +28,7 @@ from arrayattn.testing._fixtures import (
     numpy_backend,
     parametrize_backends,
     plugin_active,
+    register_markers,
     rng,
     xp,
 )
@@ -60,6 +61,11 @@ def _selected() -> list[str]:
 def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
     if not plugin_active(pluginmanager):
         add_backends_option(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not plugin_active(config.pluginmanager):
+        register_markers(config)
 
 
 @pytest.hookimpl(tryfirst=True)

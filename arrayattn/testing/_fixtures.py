@@ -21,6 +21,7 @@ __all__ = [
     "PLUGIN_NAME",
     "plugin_active",
     "add_backends_option",
+    "register_markers",
     "backend_names",
     "parametrize_backends",
     "arrayattn_backend",
@@ -42,6 +43,18 @@ def plugin_active(pluginmanager: pytest.PytestPluginManager) -> bool:
     ``conftest.py`` then leaves ``--backends`` and the parametrisation to it."""
     mod = sys.modules.get(PLUGIN_MODULE)
     return mod is not None and pluginmanager.is_registered(mod)
+
+
+SKIP_MARKER = "skip_xp_backends"
+
+
+def register_markers(config: pytest.Config) -> None:
+    """Declare ``@pytest.mark.skip_xp_backends("jax", reason=...)`` (SciPy's name): the
+    ``xp`` / ``arrayattn_backend`` fixtures skip the named backends."""
+    config.addinivalue_line(
+        "markers",
+        f"{SKIP_MARKER}(*names, reason=...): skip these backends of the xp fixture",
+    )
 
 
 def add_backends_option(parser: pytest.Parser) -> None:
@@ -83,6 +96,9 @@ def arrayattn_backend(request: pytest.FixtureRequest) -> Backend:
     name = getattr(request, "param", None)
     if name is None:  # not parametrised (no hook ran): the first selected backend
         name = backend_names(request.config)[0]
+    for marker in request.node.iter_markers(SKIP_MARKER):
+        if name in marker.args:
+            pytest.skip(marker.kwargs.get("reason", f"skipped on {name}"))
     try:
         return make_backend(name)
     except Exception as exc:  # ImportError, or a CUDA runtime error without a GPU

@@ -6,7 +6,9 @@ Gives every test suite that has arrayattn installed:
   once per backend, with the backend name as the test id; missing libraries skip);
 - ``arrayattn_backend``: the :class:`~arrayattn.testing.Backend` behind it (``.xp``,
   ``.device``, ``.asarray(numpy_array)``, ``.to_numpy(array)``);
-- ``--backends=numpy,torch`` (default: ``$ARRAYATTN_BACKENDS``, else all).
+- ``--backends=numpy,torch`` (default: ``$ARRAYATTN_BACKENDS``, else all);
+- ``@pytest.mark.skip_xp_backends("dask", reason=...)`` to skip some backends (SciPy's
+  marker name).
 
 A ``conftest.py`` that defines its own ``xp`` fixture overrides the plugin's, as pytest
 does for any plugin fixture; ``-p no:arrayattn`` switches the plugin off.
@@ -21,6 +23,7 @@ from ._fixtures import (
     arrayattn_backend,
     backend_names,
     parametrize_backends,
+    register_markers,
     xp,
 )
 
@@ -32,6 +35,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    register_markers(config)
     backend_names(config)  # a bad --backends is a usage error before collection
 
 
