@@ -332,9 +332,7 @@ class CausalLM:
         params["lm_head"] = (
             take("lm_head.weight") if "lm_head.weight" in tensors else params["embed"]
         )
-        unused = sorted(
-            k for k in set(tensors) - used if not k.endswith("rotary_emb.inv_freq")
-        )
+        unused = sorted(k for k in set(tensors) - used if not k.endswith("rotary_emb.inv_freq"))
         if unused:
             raise KeyError(f"checkpoint tensors this {family} model does not use: {unused[:8]}")
         return cls(config, attention, layers, params, xp)
@@ -354,7 +352,11 @@ class CausalLM:
     def _mlp(self, layer: Mapping[str, Any], x: Any) -> Any:
         if self.family == "gpt_oss":
             return self._moe(layer, x)
-        act = _activation(self.config.get("hidden_activation") or self.config["hidden_act"])
+        # the config classes' defaults when config.json leaves the field out
+        default = "gelu_pytorch_tanh" if self.family == "gemma2" else "silu"
+        act = _activation(
+            self.config.get("hidden_activation") or self.config.get("hidden_act") or default
+        )
         g = linear(x, layer["gate_proj"], layer["gate_proj_b"])
         u = linear(x, layer["up_proj"], layer["up_proj_b"])
         return linear(act(g) * u, layer["down_proj"], layer["down_proj_b"])
@@ -402,7 +404,7 @@ class CausalLM:
         one decoding step). ``last_only`` returns only the last position ``(B, 1, V)``."""
         xp, cfg = self.xp, self.config
         ids = xp.asarray(ids)
-        B, L = int(ids.shape[0]), int(ids.shape[1])
+        L = int(ids.shape[1])
         x = embedding(ids, self.params["embed"])
         if self.family == "gemma2":  # scaled by sqrt(hidden) in the model's dtype
             x = x * xp.asarray(math.sqrt(int(cfg["hidden_size"])), dtype=x.dtype)
@@ -468,7 +470,6 @@ class CausalLM:
         (``top_k``, ``top_p``). A row that emits ``eos_token_id`` is finished: its later
         tokens are ``pad_token_id`` (as Hugging Face's ``generate``); decoding stops when
         every row has finished (``T`` may then be below ``max_new_tokens``)."""
-        xp = self.xp
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token id lists")
         B = len(prompts)
@@ -500,6 +501,8 @@ class CausalLM:
             if progress is not None:
                 progress(step + 1, max_new_tokens)
             if done.all() or step + 1 == max_new_tokens:
+                if progress is not None and step + 1 < max_new_tokens:
+                    progress(step + 1, step + 1)  # stopped early: close the bar
                 break
             logits = self(nxt[:, None], caches=caches)
         if stats is not None:
