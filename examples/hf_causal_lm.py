@@ -135,7 +135,8 @@ def layer_windows(config: Mapping[str, Any]) -> list[tuple[int, int] | None]:
     ``sliding_window=W`` (W keys including the query's own) is ``(W - 1, 0)``.
 
     Which layers slide: ``layer_types`` (``"sliding_attention"``) when the config has it,
-    else Gemma's ``sliding_window_pattern`` (every layer but each ``pattern``-th), else
+    else Gemma's ``sliding_window_pattern`` (every layer but each ``pattern``-th; Gemma 2
+    and gpt-oss configs without either alternate, as their config classes do), else
     Qwen2's ``use_sliding_window`` from layer ``max_window_layers`` on, else (Mistral)
     every layer when ``sliding_window`` is set.
 
@@ -152,9 +153,11 @@ def layer_windows(config: Mapping[str, Any]) -> list[tuple[int, int] | None]:
     win = (int(w) - 1, 0)
     if config.get("layer_types"):
         return [win if t == "sliding_attention" else None for t in config["layer_types"]]
-    if config.get("sliding_window_pattern"):
-        p = int(config["sliding_window_pattern"])
-        return [win if (i + 1) % p else None for i in range(n)]
+    pattern = config.get("sliding_window_pattern")
+    if pattern is None and config.get("model_type") in ("gemma2", "gpt_oss"):
+        pattern = 2  # their config classes' default: sliding and full layers alternate
+    if pattern:
+        return [win if (i + 1) % int(pattern) else None for i in range(n)]
     if "use_sliding_window" in config:
         if not config["use_sliding_window"]:
             return [None] * n
@@ -640,7 +643,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for p, row in zip(prompts, new.tolist(), strict=True):
         if tok is not None:
-            print(repr(tok.decode(p) + tok.decode(row, skip_special_tokens=True)))
+            print(repr(tok.decode(list(p) + row, skip_special_tokens=True)))
         else:
             print(",".join(map(str, p)) + " -> " + ",".join(map(str, row)))
     decode_s = stats["total_s"] - stats["prefill_s"]

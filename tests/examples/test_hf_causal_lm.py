@@ -281,6 +281,8 @@ def test_layer_windows_from_config_fields():
     assert hf.layer_windows(qwen) == [None, None, None, (7, 0)]
     assert hf.layer_windows({**qwen, "use_sliding_window": False}) == [None] * 4
     assert hf.layer_windows({**base, "sliding_window": None}) == [None] * 4
+    for family in ("gemma2", "gpt_oss"):  # old configs without layer_types alternate
+        assert hf.layer_windows({**base, "model_type": family}) == [(7, 0), None] * 2
 
 
 def test_command_line(tmp_path, capsys):
@@ -294,6 +296,18 @@ def test_command_line(tmp_path, capsys):
     assert lines[0].startswith("5,6,7 -> ") and lines[1].startswith("8,9 -> ")
     assert "tokens/s" in lines[-1]
     assert "3/3 steps" in out.err  # the progress bar
+    # With a tokenizer.json the prompts are text (a word-level tokenizer over the vocab).
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(COMMON["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    args = ["--model-dir", str(tmp_path), "--max-new-tokens", "2", "--no-progress"]
+    assert hf.main([*args, "--prompt", "w5 w6 w7", "--prompt", "w8"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("'w5 w6 w7 w") and lines[1].startswith("'w8 w")
+    (tmp_path / "tokenizer.json").unlink()
     with pytest.raises(SystemExit):  # no tokenizer.json and no --prompt-ids
         hf.main(["--model-dir", str(tmp_path)])
     with pytest.raises(FileNotFoundError, match="config.json"):
