@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 import arrayattn as aa
-from arrayattn._backend import device_of
+from arrayattn._backend import device_of, resolve_namespace
 from arrayattn.nn import MultiHeadAttention, embedding, gelu, linear, silu
 from arrayattn.ops import rms_norm
 
@@ -281,6 +281,7 @@ class CausalLM:
                 "quantized checkpoints (config's quantization_config, e.g. gpt-oss MXFP4) "
                 "are not supported: use a BF16/F16/F32 checkpoint"
             )
+        xp = resolve_namespace(xp)  # array-API namespace: asarray(..., device=) on CuPy too
         dtype = xp.float32 if dtype is None else dtype
         used: set[str] = set()
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import inspect
+import shutil
 import sys
 from pathlib import Path
 
@@ -168,6 +169,24 @@ def build(family: str, directory: Path, shard: bool = False):
     return model
 
 
+_BUILT: dict[str, tuple[Path, object]] = {}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """``saved(family)`` -> (directory, float64 oracle), built once per module (the llama
+    checkpoint sharded)."""
+
+    def get(family: str):
+        if family not in _BUILT:
+            d = tmp_path_factory.mktemp(family)
+            _BUILT[family] = (d, build(family, d, shard=family == "llama"))
+        return _BUILT[family]
+
+    yield get
+    _BUILT.clear()
+
+
 def padded_batch(seed: int = 0):
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(2, COMMON["vocab_size"], n).tolist() for n in PROMPT_LENGTHS]
@@ -189,10 +208,10 @@ def hf_logits(model, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_logits_and_greedy_generation_equal_transformers(family, tmp_path):
+def test_logits_and_greedy_generation_equal_transformers(family, saved):
     if family == "gpt_oss" and not _op_has_sinks():
         pytest.skip("scaled_dot_product_attention has no sinks= yet (issue 14, sinks branch)")
-    oracle = build(family, tmp_path, shard=family == "llama")
+    tmp_path, oracle = saved(family)
     if family == "llama":  # the sharded layout: an index and several files
         assert (tmp_path / "model.safetensors.index.json").is_file()
         assert len(list(tmp_path.glob("*.safetensors"))) > 1
@@ -235,10 +254,10 @@ def test_logits_and_greedy_generation_equal_transformers(family, tmp_path):
     assert (new[0, 2:] == PAD).all()
 
 
-def test_paged_cache_and_float32_generation(tmp_path):
+def test_paged_cache_and_float32_generation(saved):
     """The paged cache decodes the same tokens; float32 weights give float32 logits close
     to float64."""
-    build("qwen3", tmp_path)
+    tmp_path, _ = saved("qwen3")
     prompts, ids, _ = padded_batch(1)
     m64 = hf.CausalLM.from_pretrained(tmp_path, dtype=np.float64)
     m32 = hf.CausalLM.from_pretrained(tmp_path)
@@ -251,8 +270,8 @@ def test_paged_cache_and_float32_generation(tmp_path):
     np.testing.assert_allclose(l32[real], l64[real], rtol=0, atol=1e-4 * np.abs(l64).max())
 
 
-def test_sampling_is_seeded_and_respects_top_k(tmp_path):
-    build("mistral", tmp_path)
+def test_sampling_is_seeded_and_respects_top_k(saved):
+    tmp_path, _ = saved("mistral")
     model = hf.CausalLM.from_pretrained(tmp_path, dtype=np.float64)
     prompts, _, _ = padded_batch(2)
     kw = dict(temperature=0.9, top_k=5, top_p=0.9, seed=3)
@@ -285,8 +304,8 @@ def test_layer_windows_from_config_fields():
         assert hf.layer_windows({**base, "model_type": family}) == [(7, 0), None] * 2
 
 
-def test_command_line(tmp_path, capsys):
-    build("llama", tmp_path)
+def test_command_line(saved, tmp_path, capsys):
+    tmp_path = Path(shutil.copytree(saved("llama")[0], tmp_path / "llama"))  # gets a tokenizer
     code = hf.main(
         ["--model-dir", str(tmp_path), "--prompt-ids", "5,6,7;8,9", "--max-new-tokens", "3"]
     )
