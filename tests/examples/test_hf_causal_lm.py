@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import inspect
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -331,3 +332,24 @@ def test_command_line(saved, tmp_path, capsys):
         hf.main(["--model-dir", str(tmp_path)])
     with pytest.raises(FileNotFoundError, match="config.json"):
         hf.main(["--model-dir", str(tmp_path / "nowhere"), "--prompt-ids", "1"])
+
+
+def test_loading_errors_name_the_problem(saved):
+    config, tensors = hf.load_model_dir(saved("llama")[0])
+    assert len(tensors) == len(
+        json.loads((saved("llama")[0] / "model.safetensors.index.json").read_text())["weight_map"]
+    )
+    missing = dict(tensors)
+    del missing["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight"):
+        hf.CausalLM.from_state(config, missing)
+    with pytest.raises(KeyError, match="does not use.*model.extra"):
+        hf.CausalLM.from_state(config, {**tensors, "model.extra": np.zeros(2)})
+    with pytest.raises(ValueError, match="model_type must be one of.*'gpt2'"):
+        hf.CausalLM.from_state({**config, "model_type": "gpt2"}, tensors)
+    with pytest.raises(ValueError, match="quantized"):
+        hf.CausalLM.from_state(
+            {**config, "quantization_config": {"quant_method": "mxfp4"}}, tensors
+        )
+    with pytest.raises(ValueError, match="--prompt-ids must be comma-separated ints"):
+        hf.parse_prompt_ids("1,x;2")
