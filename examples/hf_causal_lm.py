@@ -175,7 +175,19 @@ def _layer_type(config: Mapping[str, Any], i: int) -> str | None:
 
 
 def attention_module(config: Mapping[str, Any], i: int) -> MultiHeadAttention:
-    """Layer ``i``'s attention as a :class:`MultiHeadAttention` configuration."""
+    """Layer ``i``'s attention as a :class:`MultiHeadAttention` configuration.
+
+    Examples:
+        >>> config = {"model_type": "gemma2", "hidden_size": 64, "num_attention_heads": 4,
+        ...           "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2,
+        ...           "sliding_window": 8, "query_pre_attn_scalar": 16,
+        ...           "attn_logit_softcapping": 50.0}
+        >>> m = attention_module(config, 0)
+        >>> m.kv_heads, m.window, m.softcap, m.scale
+        (2, (7, 0), 50.0, 0.25)
+        >>> attention_module(config, 1).window is None
+        True
+    """
     family = config["model_type"]
     rope = aa.rope_kwargs_from_config(config, layer_type=_layer_type(config, i))
     bias = bool(config.get("attention_bias", family == "gpt_oss"))
