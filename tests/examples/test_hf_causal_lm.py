@@ -320,7 +320,12 @@ def test_command_line(saved, tmp_path, capsys):
     assert "tokens/s" in lines[-1]
     assert "3/3 steps" in out.err  # the progress bar
     # With a tokenizer.json the prompts are text (a word-level tokenizer over the vocab).
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    tokenizers = pytest.importorskip("tokenizers")
+    Tokenizer, models, pre_tokenizers = (
+        tokenizers.Tokenizer,
+        tokenizers.models,
+        tokenizers.pre_tokenizers,
+    )
 
     vocab = {f"w{i}": i for i in range(COMMON["vocab_size"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
