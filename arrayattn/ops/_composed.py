@@ -376,8 +376,8 @@ def row_blocks(spec: AttentionSpec) -> list[tuple[int, int, int, int]]:
         [(0, 32, 0, 32), (32, 64, 0, 64)]
     """
     L, S = spec.L, spec.S
-    if L == 0:
-        return [(0, 0, 0, S)]
+    if L == 0:  # nothing to compute (and dask cannot reduce a zero-size block)
+        return [(0, 0, 0, 0)]
     itemsize = 8 if spec.cdtype == spec.xp.float64 else 4
     per_row = spec.batch_size * spec.Hq * max(S, 1) * itemsize
     n = max(1, -(-(L * per_row) // ROW_BLOCK_BYTES))
