@@ -10,6 +10,8 @@ import math
 import numpy as np
 import pytest
 from _helpers import thin
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from arrayattn.nn import KVCache, MultiHeadAttention, PagedKVCache
 
@@ -380,3 +382,42 @@ def test_cache_dtype_follows_the_parameters_with_or_without_xp(backend):
         mha(p, x, cache=cache)
         assert cache.dtype == backend.xp.float64, cache
         assert cache.lengths.tolist() == [2, 2, 2]
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(
+    page_size=st.integers(1, 4),
+    schedule=st.lists(st.lists(st.integers(0, 3), min_size=2, max_size=2), min_size=1, max_size=5),
+    finish=st.integers(0, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_any_schedule_of_ragged_appends_equals_recomputation(page_size, schedule, finish, seed):
+    """Two sequences, each call adding 0-3 tokens per row (right-padded), the first
+    sequence replaced by a new one after ``finish`` calls: the contiguous and the paged
+    cache (pages shuffled) give each sequence's uncached result at every real row."""
+    mha = MultiHeadAttention(
+        embed_dim=8, num_heads=2, num_kv_heads=1, rope="interleaved", causal=True, softcap=4.0
+    )
+    p = params(mha, seed % 97)
+    rng = np.random.default_rng(seed)
+    caches = [
+        mha.new_cache(2, 16),
+        mha.new_paged_cache(2, num_pages=32 // page_size + 2, page_size=page_size),
+    ]
+    rng.shuffle(caches[1].free_pages)
+    seqs = [[], []]  # the tokens of each row's current sequence
+    for call, n in enumerate(schedule):
+        if call == finish:
+            for c in caches:
+                c.reset(0)
+            seqs[0] = []
+        x = rng.standard_normal((2, max(max(n), 1), 8))
+        outs = [mha(p, x, cache=c, lengths=n) for c in caches]
+        for b in range(2):
+            seqs[b].extend(x[b, : n[b]])
+            if n[b]:
+                want = alone(mha, p, np.array(seqs[b]))[-n[b] :]
+                for out in outs:
+                    np.testing.assert_allclose(out[b, : n[b]], want, **TOL)
+        for c in caches:
+            assert c.lengths.tolist() == [len(s) for s in seqs]
