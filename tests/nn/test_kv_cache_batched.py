@@ -239,10 +239,19 @@ def test_paged_attention_reads_one_page_per_sequence_per_step(monkeypatch):
         return k, v
 
     monkeypatch.setattr(PagedKVCache, "_page_block", spy)
+    monkeypatch.setattr(PagedKVCache, "keys_per_step", 2)  # one page per step
     x = np.random.default_rng(12).standard_normal((3, 5, 16))
-    mha(p, x, cache=cache, lengths=N)
+    want = mha(p, x, lengths=N)
+    got = mha(p, x, cache=cache, lengths=N)
     assert blocks and all(s == (3, 2, 2, 4) for s in blocks)  # B pages of (Hkv, P, D)
     assert len(blocks) == 3  # ceil(max length 5 / page size 2) steps
+    monkeypatch.setattr(PagedKVCache, "keys_per_step", 4)  # two pages per step
+    blocks.clear()
+    cache.free()
+    np.testing.assert_allclose(mha(p, x, cache=cache, lengths=N), got, **TOL)
+    assert blocks == [(3, 2, 4, 4), (3, 2, 4, 4)]
+    for b, n in enumerate(N):
+        np.testing.assert_allclose(got[b, :n], want[b, :n], **TOL)
 
 
 def plain_attention(q, k, v, nq, *, scale, causal, window, softcap, sinks, slopes, mask):
@@ -285,8 +294,10 @@ def plain_attention(q, k, v, nq, *, scale, causal, window, softcap, sinks, slope
         dict(causal=False, sinks=True, alibi=True, mask=True),
     ],
 )
-def test_paged_attend_equals_plain_attention(backend, opts):
+@pytest.mark.parametrize("keys_per_step", [1, 6, 128])  # 1 or 2 pages per step, or all
+def test_paged_attend_equals_plain_attention(backend, opts, keys_per_step, monkeypatch):
     thin(backend, False)
+    monkeypatch.setattr(PagedKVCache, "keys_per_step", keys_per_step)
     rng = np.random.default_rng(13)
     B, Hq, Hkv, D, Dv, P = 3, 4, 2, 5, 3, 3
     kv_len, nq = [7, 2, 0], [2, 1, 0]
