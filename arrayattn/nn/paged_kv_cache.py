@@ -126,7 +126,18 @@ class PagedKVCache:
 
     def free(self, rows: int | Sequence[int] | None = None) -> None:
         """End the sequences in ``rows`` (default: all): their pages return to the free
-        list (for any sequence to reuse) and their slots start empty."""
+        list (for any sequence to reuse) and their slots start empty.
+
+        Examples:
+            >>> import numpy as np
+            >>> from arrayattn.nn import PagedKVCache
+            >>> cache = PagedKVCache(batch_size=2, num_pages=4, page_size=2, num_kv_heads=1,
+            ...                      head_dim=2, xp=np)
+            >>> cache.append(np.ones((2, 1, 3, 2)), np.ones((2, 1, 3, 2)))
+            >>> cache.free(1)
+            >>> cache.free_pages, cache.block_tables
+            ([2, 3], [[0, 1], []])
+        """
         todo = range(self.batch_size) if rows is None else rows
         for b in [todo] if isinstance(todo, numbers.Integral) else todo:
             b = check_count("rows", b, minimum=0)
@@ -148,7 +159,17 @@ class PagedKVCache:
 
     def check_append(self, new_lengths: Sequence[int], dtype: Any = None) -> None:
         """Raise, changing nothing, when the free pages cannot hold ``new_lengths[b]`` more
-        tokens of every sequence ``b`` or ``dtype`` differs from the pages' dtype."""
+        tokens of every sequence ``b`` or ``dtype`` differs from the pages' dtype.
+
+        Examples:
+            >>> from arrayattn.nn import PagedKVCache
+            >>> cache = PagedKVCache(batch_size=2, num_pages=2, page_size=4, num_kv_heads=1,
+            ...                      head_dim=2)
+            >>> cache.check_append([5, 1])  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            ValueError: paged KV cache overflow in sequence 1: 0 cached + 1 new tokens need ...
+        """
         n = host_lengths("lengths", new_lengths, self.batch_size, self.capacity)
         need = self._pages_needed(n)
         free = len(self.free_pages)
@@ -173,7 +194,17 @@ class PagedKVCache:
     def append(self, key: Array, value: Array, lengths: Sequence[int] | None = None) -> None:
         """Write the first ``lengths[b]`` tokens of ``key[b] (Hkv, l, D)`` and ``value[b]
         (Hkv, l, Dv)`` (default all ``l``) after sequence ``b``'s cached tokens, taking
-        pages from the free list as needed. A rejected append changes nothing."""
+        pages from the free list as needed. A rejected append changes nothing.
+
+        Examples:
+            >>> import numpy as np
+            >>> from arrayattn.nn import PagedKVCache
+            >>> cache = PagedKVCache(batch_size=1, num_pages=4, page_size=2, num_kv_heads=1,
+            ...                      head_dim=2)
+            >>> cache.append(np.ones((1, 1, 3, 2)), np.ones((1, 1, 3, 2)))
+            >>> cache.lengths.tolist(), cache.block_tables, cache.dtype
+            ([3], [[0, 1]], dtype('float64'))
+        """
         xp = namespace_of(key=key, value=value)
         ks, vs = tuple(int(d) for d in key.shape), tuple(int(d) for d in value.shape)
         head = (self.batch_size, self.num_kv_heads)
