@@ -224,8 +224,8 @@ class KVCache:
             >>> import numpy as np
             >>> from arrayattn.nn import KVCache
             >>> cache = KVCache.allocate(2, 1, 8, 4, xp=np, dtype=np.float32)
-            >>> _ = cache.append(np.ones((2, 1, 3, 4), np.float32), np.ones((2, 1, 3, 4), np.float32),
-            ...                  lengths=[3, 1])
+            >>> new = np.ones((2, 1, 3, 4), np.float32)
+            >>> _ = cache.append(new, new, lengths=[3, 1])
             >>> [a.shape for a in cache.filled()]
             [(2, 1, 3, 4), (2, 1, 3, 4)]
         """
