@@ -432,3 +432,19 @@ def test_any_schedule_of_ragged_appends_equals_recomputation(page_size, schedule
                     np.testing.assert_allclose(out[b, : n[b]], want, **TOL)
         for c in caches:
             assert c.lengths.tolist() == [len(s) for s in seqs]
+
+
+def test_need_weights_with_a_per_sequence_cache_equal_recomputation():
+    mha = MultiHeadAttention(**CFG)
+    p = params(mha, 21)
+    x = np.random.default_rng(22).standard_normal((3, 5, 16))
+    cache = mha.new_cache(3, 8)
+    _, w = mha(p, x, cache=cache, lengths=N, need_weights=True, average_attn_weights=False)
+    step = np.random.default_rng(23).standard_normal((3, 1, 16))
+    _, w_step = mha(p, step, cache=cache, need_weights=True, average_attn_weights=False)
+    for b, n in enumerate(N):
+        seq = np.concatenate([x[b, :n], step[b]])[None]
+        _, want = mha(p, seq, need_weights=True, average_attn_weights=False)
+        np.testing.assert_allclose(w[b, :, :n, :n], want[0, :, :n, :n], **TOL)
+        np.testing.assert_allclose(w_step[b, :, 0, : n + 1], want[0, :, n], **TOL)
+        assert not np.any(w_step[b, :, 0, n + 1 :])  # other rows' positions: no weight
