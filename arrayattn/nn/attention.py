@@ -608,7 +608,9 @@ class MultiHeadAttention:
             padding_side: ``"right"`` (real tokens first) or ``"left"`` (real tokens
                 last, as batched generation pads prompts); needs ``lengths``. Left-padded
                 rows are moved to the right internally, so each sequence's first real
-                token has position 0; ``attn_mask`` cannot be combined with it.
+                token has position 0 (explicit ``positions``/``freqs``, given in the
+                caller's layout, move with their rows); ``attn_mask`` cannot be combined
+                with it.
             cache: a :class:`KVCache` or :class:`PagedKVCache`. Self-attention: row
                 ``b``'s new keys/values are appended after its own cached tokens and its
                 queries attend to everything it holds (bottom-right causal per sequence
@@ -776,12 +778,14 @@ class MultiHeadAttention:
         def roll(name: str, a: Array, shifts: tuple[int, ...]) -> Array:
             if pullbacks is not None:
                 n = int(a.shape[-2])
-                back = tuple((n - s) % n for s in shifts)
+                back = tuple((n - s) % n if n else 0 for s in shifts)
                 pullbacks[name] = lambda dy: (_roll_rows(dy, back),)
             return _roll_rows(a, shifts)
 
         if left:  # move each row's real tokens to the front (right padding)
-            x = roll("roll_x", x, tuple(L_ - n for L_, n in zip(plan["L"], n_new, strict=True)))
+            shifts = tuple(L_ - n for L_, n in zip(plan["L"], n_new, strict=True))
+            x = roll("roll_x", x, shifts)
+            positions, freqs = _rolled_positions(xp, x, positions, freqs, shifts, self)
         Hq, Hkv = self.num_heads, self.kv_heads
         fq, fk, fv = self._widths()
         cross = context is not None
@@ -1054,3 +1058,24 @@ class MultiHeadAttention:
         return back[0]
 
     # -- checks and helpers -------------------------------------------------------------
+
+
+def _rolled_positions(
+    xp: Any,
+    x: Array,
+    positions: Any,
+    freqs: Array | None,
+    shifts: tuple[int, ...],
+    mha: MultiHeadAttention,
+) -> tuple[Any, Array | None]:
+    """Explicit positions / frequencies given for left-padded rows, rotated with them."""
+    B, L = int(x.shape[0]), int(x.shape[-2])
+    if positions is not None and not isinstance(positions, numbers.Integral):
+        cols = () if mha.rope_position_axes is None else (mha.rope_position_axes,)
+        positions = xp.broadcast_to(positions, (B, L) + cols)
+        positions = _roll_rows(positions, shifts, axis=1)
+    if freqs is not None:
+        if freqs.ndim == 3:  # (B, L, F) -> (B, 1, L, F)
+            freqs = xp.expand_dims(freqs, axis=1)
+        freqs = _roll_rows(xp.broadcast_to(freqs, (B, 1, L, int(freqs.shape[-1]))), shifts)
+    return positions, freqs
