@@ -22,6 +22,7 @@ import array_api_compat
 import numpy as np
 
 from .._backend import Array, device_of, namespace_of, resolve_namespace
+from ._paged_kernel import attend_with_kernel, kernel_supports
 from .kv_cache import check_count, host_lengths
 
 __all__ = ["PagedKVCache"]
@@ -63,6 +64,9 @@ class PagedKVCache:
     #: Keys of each sequence one step of :meth:`attend` reads (whole pages, at least one):
     #: the block size of its online softmax.
     keys_per_step: int = 128
+    #: On CuPy, run :meth:`attend` as the CUDA kernel of ``kernels/paged_attn.cu`` (one
+    #: thread per query row reading the pages in place) when it takes the call.
+    use_kernel: bool = True
 
     def __init__(
         self,
@@ -315,6 +319,22 @@ class PagedKVCache:
                 raise ValueError(
                     f"sequence {b} has {nq[b]} new queries but holds only {kv[b]} tokens"
                 )
+        if (
+            self.use_kernel
+            and array_api_compat.is_cupy_array(query)
+            and kernel_supports(str(query.dtype), D, self.value_dim, attn_mask)
+        ):
+            return attend_with_kernel(
+                self,
+                query,
+                nq,
+                scale=1.0 / math.sqrt(D) if scale is None else float(scale),
+                causal=causal,
+                window=window,
+                softcap=softcap,
+                sinks=sinks,
+                alibi_slopes=alibi_slopes,
+            )
         G, dev = Hq // Hkv, device_of(query)
         cd = xp.float64 if query.dtype == xp.float64 else xp.float32
         S = max(kv)
