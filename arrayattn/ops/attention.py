@@ -135,6 +135,8 @@ def scaled_dot_product_attention(
     implementation: str = "auto",
     q_lengths: Array | None = None,
     kv_lengths: Array | None = None,
+    sinks: Array | None = None,
+    alibi_slopes: Array | None = None,
 ) -> Array | tuple[Array, Array]:
     """Scaled dot-product attention with PyTorch's signature and semantics, plus
     FlashAttention's options.
@@ -207,6 +209,8 @@ def scaled_dot_product_attention(
         seed,
         q_lengths=q_lengths,
         kv_lengths=kv_lengths,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
     )
     out, lse = _select(spec, implementation).forward(spec, query, key, value, attn_mask)
     return (out, lse) if return_lse else out
@@ -231,6 +235,8 @@ def _sdpa_vjp(
     implementation: str = "auto",
     q_lengths: Array | None = None,
     kv_lengths: Array | None = None,
+    sinks: Array | None = None,
+    alibi_slopes: Array | None = None,
 ):
     spec = make_spec(
         query,
@@ -247,6 +253,8 @@ def _sdpa_vjp(
         seed,
         q_lengths=q_lengths,
         kv_lengths=kv_lengths,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
     )
     impl = _select(spec, implementation)
     out, lse = impl.forward(spec, query, key, value, attn_mask)
@@ -256,7 +264,12 @@ def _sdpa_vjp(
         dq, dk, dv, dmask = impl.backward(
             spec, query, key, value, attn_mask, out, lse, d_out, d_lse
         )
-        return dq, dk, dv, dmask
+        if spec.sinks is None:
+            return dq, dk, dv, dmask
+        # The sinks' gradient needs only row statistics (LSE, dO . O, dLSE), the same on
+        # every implementation, so it is computed once here.
+        d_sinks = _composed.sinks_gradient(spec, out, lse, d_out, d_lse)
+        return dq, dk, dv, dmask, {"sinks": d_sinks}
 
     return ((out, lse) if return_lse else out), pullback
 
@@ -301,6 +314,8 @@ def attention_weights(
     seed: int | None = None,
     q_lengths: Array | None = None,
     kv_lengths: Array | None = None,
+    sinks: Array | None = None,
+    alibi_slopes: Array | None = None,
 ) -> Array:
     """The attention probabilities ``(..., Hq, L, S)`` that
     :func:`scaled_dot_product_attention` with the same arguments multiplies into
@@ -333,6 +348,8 @@ def attention_weights(
         seed=seed,
         q_lengths=q_lengths,
         kv_lengths=kv_lengths,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
     )
     return weights
 
@@ -351,6 +368,8 @@ def _weights_spec(
     seed,
     q_lengths=None,
     kv_lengths=None,
+    sinks=None,
+    alibi_slopes=None,
 ) -> AttentionSpec:
     # The value plays no part in the weights; key stands in for it (same S, Ev = E).
     return make_spec(
@@ -368,6 +387,8 @@ def _weights_spec(
         seed,
         q_lengths=q_lengths,
         kv_lengths=kv_lengths,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
     )
 
 
@@ -394,6 +415,8 @@ def _attention_weights_vjp(
     seed: int | None = None,
     q_lengths: Array | None = None,
     kv_lengths: Array | None = None,
+    sinks: Array | None = None,
+    alibi_slopes: Array | None = None,
 ):
     spec = _weights_spec(
         query,
@@ -409,10 +432,13 @@ def _attention_weights_vjp(
         seed,
         q_lengths,
         kv_lengths,
+        sinks,
+        alibi_slopes,
     )
     xp = spec.xp
     s, tanh, qg, kg = _composed.masked_scores(spec, query, key, attn_mask)
-    p, _ = _composed.softmax_with_lse(spec, s)
+    p, lse = _composed.softmax_with_lse(spec, s)
+    lse_g = xp.expand_dims(lse, axis=-1)
     rows_cols = None
     if spec.dropout_p > 0:
         rows_cols = _composed.index_block(spec, 0, spec.L, 0, spec.S)
@@ -426,8 +452,14 @@ def _attention_weights_vjp(
         dw = xp.astype(spec.group_rows(d_weights, shape), spec.cdtype)
         if rows_cols is not None:
             dw = _composed.apply_dropout(spec, dw, *rows_cols)
-        ds = p * (dw - xp.sum(dw * p, axis=-1, keepdims=True))
-        return _composed.scores_pullback(spec, qg, kg, ds, tanh, attn_mask)
+        row = xp.sum(dw * p, axis=-1, keepdims=True)
+        ds = p * (dw - row)
+        grads = _composed.scores_pullback(spec, qg, kg, ds, tanh, attn_mask)
+        if spec.sinks is None:
+            return grads
+        # d sink_h = sum_ij dW_ij * dP_ij/d sink = -sum_i p_sink_i * rowsum(dW * P)_i.
+        p_sink = _composed.sink_probability(spec, lse_g)
+        return grads + ({"sinks": _composed.reduce_sinks(spec, -(p_sink * row))},)
 
     return out, pullback
 

@@ -190,8 +190,11 @@ def forward(
         nonempty = total > 0
         total_safe = xp.where(nonempty, total, one)
         m_safe = xp.where(xp.isfinite(m), m, zero)
-        outs.append(acc / total_safe)
-        lses.append(xp.where(nonempty, m_safe + xp.log(total_safe), neg_inf))
+        out_blk, lse_blk = _composed.merge_sinks(
+            spec, acc / total_safe, xp.where(nonempty, m_safe + xp.log(total_safe), neg_inf)
+        )
+        outs.append(out_blk)
+        lses.append(lse_blk)
     out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
     lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=-2)
     out = spec.ungroup_out(xp.astype(out, spec.dtype, copy=False))
@@ -277,6 +280,9 @@ def backward(
                 )
                 row_total = part if row_total is None else row_total + part
             if row_total is not None:
+                p_sink = _composed.sink_probability(spec, lse_blk)
+                if p_sink is not None:  # the sink's share is part of the row's total
+                    row_total = row_total + p_sink
                 row_total = xp.where(row_total > 0, row_total, xp.ones_like(row_total))
         for j, c0, c1, inside in _key_blocks(spec, r0, r1, bk):
             rows, cols = _composed.index_block(spec, r0, r1, c0, c1)
