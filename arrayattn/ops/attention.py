@@ -179,8 +179,23 @@ def scaled_dot_product_attention(
             zero gradients). With ``causal_align="bottom_right"`` each sequence's
             diagonal is offset by ``kv_lengths[b] - q_lengths[b]`` (FlashAttention's
             varlen semantics); ``"top_left"`` keeps offset 0. No dense mask is built.
+        sinks: learnable attention sinks (gpt-oss): one logit per query head, shape
+            ``(Hq,)`` or broadcastable to ``(..., Hq)``, floating, same library and
+            device. Each joins its head's softmax denominator as an extra logit with no
+            value: ``p_ij = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij))``, so rows may
+            sum to less than 1. The LSE includes the sink; a row whose keys are all masked
+            gives output 0 and LSE ``sink_h`` (finite). Differentiable: :func:`arrayattn.vjp`
+            returns its gradient in a trailing dict, ``pullback(g)[-1]["sinks"]``.
+        alibi_slopes: ALiBi slopes, shape ``(Hq,)`` or ``(B, Hq)`` (broadcastable to
+            ``(..., Hq)``): adds ``-slope_h * |i + offset - j|`` to the scores after the
+            softcap, where ``offset`` is the aligned diagonal of ``causal_align`` (0
+            top-left, ``S - L`` bottom-right; per sequence with lengths). This is
+            FlashAttention's definition: ``causal_align="bottom_right"`` matches FA's
+            ``alibi_slopes`` (for causal calls its outputs; FA's causal LSE differs by a
+            per-row constant). No ``L x S`` bias is built on the chunked, fast and fused
+            paths. The slopes are constants: no gradient is returned for them.
 
-    Rows with no key left return 0 (and LSE ``-inf``), never NaN.
+    Rows with no key left return 0 (and LSE ``-inf``, or the sink), never NaN.
 
     Example::
 
@@ -193,6 +208,16 @@ def scaled_dot_product_attention(
         ...     q, kv, kv, is_causal=True, enable_gqa=True, return_lse=True)
         >>> out.shape, lse.shape, out.dtype, lse.dtype
         ((2, 8, 16, 64), (2, 8, 16), dtype('float32'), dtype('float32'))
+
+        Sinks (gpt-oss) and ALiBi (BLOOM) with their gradients:
+
+        >>> sinks = np.zeros(8, dtype=np.float32)
+        >>> slopes = 2.0 ** -np.arange(1, 9, dtype=np.float32)
+        >>> out, pullback = aa.vjp(aa.scaled_dot_product_attention, q, kv, kv,
+        ...     is_causal=True, enable_gqa=True, sinks=sinks, alibi_slopes=slopes)
+        >>> dq, dk, dv, keyword_grads = pullback(np.ones_like(out))
+        >>> keyword_grads["sinks"].shape
+        (8,)
     """
     spec = make_spec(
         query,
@@ -322,7 +347,10 @@ def attention_weights(
     ``value`` (after dropout, when ``dropout_p > 0`` with the same ``seed``), in the
     input dtype. This is what ``need_weights`` / ``output_attentions`` give: it builds the
     whole ``L x S`` matrix, so use it for inspection, not for long sequences.
-    ``q_lengths``/``kv_lengths`` as in :func:`scaled_dot_product_attention`.
+    ``q_lengths``/``kv_lengths``, ``sinks`` and ``alibi_slopes`` as in
+    :func:`scaled_dot_product_attention`: with sinks each row sums to
+    ``1 - exp(sink_h - LSE_i)`` (the sink's column is left out, as gpt-oss does), and
+    ``vjp`` returns the sinks' gradient in a trailing dict.
 
     Example::
 
