@@ -482,7 +482,9 @@ def _attention_weights_vjp(
             dw = _composed.apply_dropout(spec, dw, *rows_cols)
         row = xp.sum(dw * p, axis=-1, keepdims=True)
         ds = p * (dw - row)
-        grads = _composed.scores_pullback(spec, qg, kg, ds, tanh, attn_mask)
+        # Garbage in excluded keys (or empty query rows) must not meet ds's zeros.
+        qc, kc = _composed.finite_or_zero(spec, qg), _composed.finite_or_zero(spec, kg)
+        grads = _composed.scores_pullback(spec, qc, kc, ds, tanh, attn_mask)
         if spec.sinks is None:
             return grads
         # d sink_h = sum_ij dW_ij * dP_ij/d sink = -sum_i p_sink_i * rowsum(dW * P)_i.
