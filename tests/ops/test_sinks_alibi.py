@@ -493,6 +493,33 @@ def test_row_with_only_the_sink(implementation) -> None:
     np.testing.assert_allclose(kw["sinks"], [2.0, 3.0])
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_garbage_in_excluded_keys_never_reaches_results(implementation) -> None:
+    """NaN/Inf in keys and values past ``kv_lengths`` or right of the causal diagonal stay
+    out of the output, the LSE and every gradient, the sinks' included (SEMANTICS.md)."""
+    rng = np.random.default_rng(12)
+    q = rng.standard_normal((2, 2, 6, 4))
+    k = rng.standard_normal((2, 2, 8, 4))
+    v = rng.standard_normal((2, 2, 8, 4))
+    kv_lengths = np.array([6, 3])
+    opts = dict(is_causal=True, causal_align="bottom_right", kv_lengths=kv_lengths,
+                sinks=np.array([0.3, -0.7]), alibi_slopes=np.array([0.5, 0.25]),
+                return_lse=True, implementation=implementation)  # fmt: skip
+    (clean, clean_lse), pb_clean = aa.vjp(SDPA, q, k, v, **opts)
+    kg, vg = k.copy(), v.copy()
+    kg[0, :, 6:] = np.nan
+    vg[1, :, 3:] = np.inf
+    (out, lse), pb = aa.vjp(SDPA, q, kg, vg, **opts)
+    np.testing.assert_array_equal(out, clean)
+    np.testing.assert_array_equal(lse, clean_lse)
+    cot = (rng.standard_normal(out.shape), rng.standard_normal(lse.shape))
+    got, want = pb(cot), pb_clean(cot)
+    for i in (0, 1, 2):
+        assert np.isfinite(got[i]).all()
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(got[-1]["sinks"], want[-1]["sinks"], rtol=1e-12, atol=1e-14)
+
+
 def test_no_keys_at_all_gives_the_sink() -> None:
     q = np.ones((1, 2, 3, 4))
     k = np.ones((1, 2, 0, 4))
