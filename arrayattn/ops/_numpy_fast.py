@@ -561,9 +561,15 @@ def forward(
 
 def _static_bounds(spec: AttentionSpec, lay: _Layout):
     """Per-(batch, query head, row) upper bound on ``|score|`` (or ``None`` when a float
-    mask rules the static shift out), and the extra log-room the sums need."""
-    if spec.mask_kind == "float" or spec.alibi_slopes is not None:
-        # Arbitrary additive scores (a float mask, ALiBi's distance bias): exact path.
+    mask rules the static shift out), and the extra log-room the sums need.
+
+    ALiBi with slopes >= 0 keeps the bound: its bias is <= 0, so it only lowers scores,
+    and rows whose sums then underflow are redone on the exact path (forward), while
+    ``exp(S)`` underflowing in the backward means ``P <= exp(-87 + 40)``, far below
+    rounding. A negative slope can raise scores without bound: exact path."""
+    if spec.mask_kind == "float":  # arbitrary additive scores: exact path
+        return None
+    if lay.alibi is not None and not (lay.alibi.size == 0 or float(np.min(lay.alibi)) >= 0.0):
         return None
     q_norm = _norms(lay.q) * abs(spec.scale)  # (*lead, Hq, L)
     k_max = _norms(lay.k).max(axis=-1)  # (*lead, Hkv)

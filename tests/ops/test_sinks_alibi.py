@@ -510,8 +510,9 @@ def test_garbage_in_excluded_keys_never_reaches_results(implementation) -> None:
     kg[0, :, 6:] = np.nan
     vg[1, :, 3:] = np.inf
     (out, lse), pb = aa.vjp(SDPA, q, kg, vg, **opts)
-    np.testing.assert_array_equal(out, clean)
-    np.testing.assert_array_equal(lse, clean_lse)
+    # (Not bit-equal on the fast path: garbage sends it from the static to the exact shift.)
+    np.testing.assert_allclose(out, clean, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(lse, clean_lse, rtol=1e-12, atol=1e-14)
     cot = (rng.standard_normal(out.shape), rng.standard_normal(lse.shape))
     got, want = pb(cot), pb_clean(cot)
     for i in (0, 1, 2):
