@@ -93,7 +93,10 @@ CASES = {
     # Small enough for ThreadSanitizer (one block spawns up to 256 OS threads), still
     # several query and key blocks (bottom-right: the last rows see both key blocks) with
     # ragged tails, causal skipping and a GQA group.
-    "race": dict(B=1, Hq=2, Hkv=1, L=37, S=70, causal=True, align="bottom_right"),
+    # (With sinks and ALiBi, so their code runs under ThreadSanitizer too.)
+    "race": dict(
+        B=1, Hq=2, Hkv=1, L=37, S=70, causal=True, align="bottom_right", sinks=True, alibi=True
+    ),
 }
 
 

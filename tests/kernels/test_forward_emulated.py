@@ -523,6 +523,19 @@ _RACE_CASES = {
     "f16_d64_mt1_causal": Case("float16", 64, Hq=1, L=140, S=140, causal=True, mt=1),
     # Blocks with no key tile: the epilogue reuses the Q buffer with only Q's copy in flight.
     "f16_d64_no_key_tiles": CASES["f16_d64_no_key_tiles"],
+    # Sinks and ALiBi (runtime pointers read by every thread, the sink fold in the epilogue).
+    "f16_d64_sinks_alibi": Case(
+        "float16",
+        64,
+        Hq=2,
+        Hkv=1,
+        L=70,
+        S=80,
+        causal=True,
+        bottom_right=True,
+        sinks=True,
+        alibi=True,
+    ),  # fmt: skip
     # The CUDA-core kernels, float and double.
     "f32_d64_causal_gqa_softcap_dropout_bool": CASES["f32_d64_causal_gqa_softcap_dropout_bool"],
     "f64_d32_window_lengths_floatmask": CASES["f64_d32_window_lengths_floatmask"],
