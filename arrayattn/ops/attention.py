@@ -176,7 +176,8 @@ def scaled_dot_product_attention(
             number of valid queries / keys of each sequence (padding at the end; values
             are clipped to ``[0, L]`` / ``[0, S]``). Keys ``j >= kv_lengths[b]`` are
             masked; query rows ``i >= q_lengths[b]`` are empty (output 0, LSE ``-inf``
-            or the sink with ``sinks``, zero gradients). With ``causal_align="bottom_right"`` each sequence's
+            or the sink with ``sinks``, zero gradients). With
+            ``causal_align="bottom_right"`` each sequence's
             diagonal is offset by ``kv_lengths[b] - q_lengths[b]`` (FlashAttention's
             varlen semantics); ``"top_left"`` keeps offset 0. No dense mask is built.
         sinks: learnable attention sinks (gpt-oss): one logit per query head, shape
