@@ -48,6 +48,40 @@ def test_alibi_slopes_are_blooms(n):
     np.testing.assert_allclose(got, bloom_slopes(n), rtol=1e-15)
 
 
+@pytest.mark.parametrize("name", ["sinks", "alibi"])
+def test_sinks_and_alibi_match_reference(backend, name):
+    thin(backend, name == "sinks")
+    cfg = GPT_OSS if name == "sinks" else ALIBI
+    mha = MultiHeadAttention(**cfg)
+    p = perturbed(mha, 1)
+    assert ("sinks" in p) == (name == "sinks") and p.get("sinks", np.zeros(4)).shape == (4,)
+    x = np.random.default_rng(2).standard_normal((2, 6, mha.embed_dim))
+    kw = {"sinks": p["sinks"]} if name == "sinks" else {"alibi_slopes": mha.alibi_slopes()}
+    ref = reference_mha(mha, p, x, **kw)
+    out = mha(to_backend(backend, p), backend.asarray(x))
+    np.testing.assert_allclose(backend.to_numpy(out), ref, **TOL)
+    _, w = mha(to_backend(backend, p), backend.asarray(x), need_weights=True)
+    _, w_ref = reference_mha(mha, p, x, return_weights=True, **kw)
+    np.testing.assert_allclose(backend.to_numpy(w), w_ref.mean(axis=1), **TOL)
+
+
+@pytest.mark.parametrize("name", ["sinks", "alibi"])
+def test_sinks_and_alibi_gradients(name):
+    mha = MultiHeadAttention(**(GPT_OSS if name == "sinks" else ALIBI))
+    x = np.random.default_rng(3).standard_normal((2, 5, mha.embed_dim))
+    bias = np.random.default_rng(4).standard_normal((2, 1, 5, 5))
+    g = fd_check(mha, perturbed(mha, 5), {"x": x}, mask=bias)
+    assert ("sinks" in g.params) == (name == "sinks")
+
+
+def test_sinks_load_under_hugging_face_names():
+    mha = MultiHeadAttention(**GPT_OSS)
+    p = perturbed(mha, 6)
+    prefix = "model.layers.0.self_attn."
+    loaded = mha.load({prefix + k: v for k, v in p.items()}, prefix=prefix)
+    np.testing.assert_array_equal(loaded["sinks"], p["sinks"])
+
+
 def wan_angles(positions, axes_dim, theta):
     """Wan2.1's rope_params per axis, concatenated: (L, A) positions -> (L, sum/2)."""
     parts = []
@@ -153,6 +187,8 @@ def test_variants_in_ragged_cached_decoding(backend, kind):
         num_kv_heads=2,
         rope="half",
         causal=True,
+        sinks=True,
+        alibi=True,
         softcap=3.0,
         rope_scaling=SCALINGS["llama3"],
     )
