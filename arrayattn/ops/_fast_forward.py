@@ -193,6 +193,7 @@ def forward(
             out, lse = outs[0], lses[0]
         else:
             out, lse = merge_splits(outs, lses)
+        _nf._merge_sinks(lay, out, lse)  # gpt-oss sinks: once, after the splits merge
 
     out_user = out.astype(spec.dtype, copy=False).reshape(spec.out_shape)
     return out_user, lse.reshape(spec.lse_shape)
@@ -266,6 +267,10 @@ def _rows(spec, lay, st, bi, hk, h0, h1, r0, r1, c_lo, c_hi, width, out_t, lse_t
             np.tanh(s, out=s)
             np.multiply(s, spec.softcap, out=s)
         s3 = s.reshape(nh, n, w)  # the stacked rows, head by head
+        if lay.alibi is not None:  # ALiBi after the softcap: -slope_h * |i + offset - j|
+            dist = _nf._alibi_distance(structure, r0, r1, c0, c1, cd)
+            slopes = lay.alibi[b + (slice(h0, h1),)].reshape(nh, 1, 1)
+            np.subtract(s3, slopes * dist, out=s3)
         if lay.mask is not None:
             um = lay.mask[b + (slice(h0, h1), slice(r0, r1), slice(c0, c1))]
             if spec.mask_kind == "float":

@@ -214,7 +214,7 @@ def forward(
     if spec.scale != 1.0:
         qg = qg * spec.scale  # on the l x E queries, not on every l x s block
     # Index arrays only when a block needs them (structure edge, lengths, dropout).
-    need_index = spec.has_lengths or spec.dropout_p > 0
+    need_index = spec.has_lengths or spec.dropout_p > 0 or spec.alibi_g is not None
 
     outs, lses = [], []
     for r0 in range(0, spec.L, bq):
@@ -257,9 +257,14 @@ def forward(
                 if t is not None:
                     total = total * alpha + t
             m = m_new
-        if m is None:  # no key block for these rows
-            outs.append(xp.zeros(rows_shape + (r1 - r0, spec.Ev), dtype=cd, device=dev))
-            lses.append(xp.full(rows_shape + (r1 - r0, 1), -math.inf, dtype=cd, device=dev))
+        if m is None:  # no key block for these rows (a sink still gives them an LSE)
+            out_b, lse_b = _composed.merge_sinks(
+                spec,
+                xp.zeros(rows_shape + (r1 - r0, spec.Ev), dtype=cd, device=dev),
+                xp.full(rows_shape + (r1 - r0, 1), -math.inf, dtype=cd, device=dev),
+            )
+            outs.append(xp.broadcast_to(out_b, rows_shape + (r1 - r0, spec.Ev)))
+            lses.append(xp.broadcast_to(lse_b, rows_shape + (r1 - r0, 1)))
             continue
         out_b, total_g, touched = cols_ext.split(acc)
         total = total_g if total is None else total
@@ -267,10 +272,13 @@ def forward(
         empty = total == zero
         total_safe = xp.where(empty, one, total)
         m_safe = xp.where(xp.isfinite(m), m, zero)
-        out_b = _composed.poison_rows(spec, out_b / total_safe, touched)
+        out_b, lse_b = _composed.merge_sinks(
+            spec,
+            _composed.poison_rows(spec, out_b / total_safe, touched),
+            xp.where(empty, neg_inf, m_safe + xp.log(total_safe)),
+        )
         outs.append(xp.broadcast_to(out_b, rows_shape + (r1 - r0, spec.Ev)))
-        lse = xp.where(empty, neg_inf, m_safe + xp.log(total_safe))
-        lses.append(xp.broadcast_to(lse, rows_shape + (r1 - r0, 1)))
+        lses.append(xp.broadcast_to(lse_b, rows_shape + (r1 - r0, 1)))
     out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
     lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=-2)
     out = spec.ungroup_out(xp.astype(out, spec.dtype, copy=False))
@@ -425,6 +433,9 @@ def _row_totals(
         total = part if total is None else total + part
     if total is None:
         return None
+    p_sink = _composed.sink_probability(spec, lse_blk)
+    if p_sink is not None:  # the sink's share is part of the row's total
+        total = total + p_sink
     one = full_scalar(xp, 1.0, cd, spec.device)
     return xp.where(xp.logical_and(need, total > 0), total, one)
 

@@ -367,3 +367,24 @@ def test_cost_model_estimates_are_positive_and_grow_with_work():
     causal = make_spec(q2, q2, q2, None, 0.0, True, None, False, "top_left", None, None, None)
     assert _cost.estimate(causal, "fast", 2) < _cost.estimate(s2, "fast", 2)
     assert _cost.estimate(causal, "composed", 2) < _cost.estimate(s2, "composed", 2)
+
+
+def test_fast_split_kv_with_sinks_and_alibi_matches_composed():
+    """Sinks join once, after the splits merge; ALiBi rides on the stacked rows."""
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((1, 8, 3, 8))
+    k, v = (rng.standard_normal((1, 2, 50, 8)) for _ in range(2))
+    kw = dict(
+        enable_gqa=True,
+        return_lse=True,
+        sinks=rng.standard_normal(8),
+        alibi_slopes=np.abs(rng.standard_normal(8)) * 0.1,
+        is_causal=True,
+        causal_align="bottom_right",
+        window=(5, 0),
+    )
+    want = aa.scaled_dot_product_attention(q, k, v, implementation="composed", **kw)
+    with _forced_splits():
+        got = aa.scaled_dot_product_attention(q, k, v, implementation="fast", **kw)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
