@@ -243,8 +243,9 @@ def forward(
             m_safe = xp.where(xp.isfinite(m_new), m_new, zero)
             p = xp.exp(s - m_safe)
             t = None
-            if cols_ext.total is None:  # dropout: the sum of the undropped probabilities
+            if cols_ext.total is None:  # (with dropout: the sum of the undropped p)
                 t = xp.sum(p, axis=-1, keepdims=True)
+            if spec.dropout_p > 0:
                 p = _composed.apply_dropout(spec, p, rows, cols)
             # [P V | P 1 | P bad]: the output, the row sums and the rows that give weight
             # to a non-finite value, in one product (and one rescale).
