@@ -503,62 +503,6 @@ class _FwdState:
         self.bool = _Scratch(rows, keys, np.bool_)
 
 
-def forward(
-    spec: AttentionSpec,
-    query: np.ndarray,
-    key: np.ndarray,
-    value: np.ndarray,
-    attn_mask: np.ndarray | None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Attention output ``(..., Hq, L, Ev)`` in the input dtype and LSE ``(..., Hq, L)``
-    in float32 (float64 for float64 inputs), as :func:`arrayattn.ops._composed.forward`,
-    computed tile by tile. Users reach it through ``scaled_dot_product_attention``.
-
-    Example::
-
-        >>> import numpy as np
-        >>> import arrayattn as aa
-        >>> q = np.ones((1, 2, 8, 4), dtype=np.float32)
-        >>> aa.scaled_dot_product_attention(q, q, q, implementation="fast").shape
-        (1, 2, 8, 4)
-    """
-    lay = _Layout(spec, query, key, value, attn_mask)
-    cd = lay.cd
-    nb = len(lay.lead_index)
-    out = np.empty(spec.lead + (spec.Hq, spec.L, spec.Ev), cd)
-    lse = np.empty(spec.lead + (spec.Hq, spec.L), cd)
-
-    rows = min(FWD_ROWS, spec.L)
-    width = max(1, min(spec.S, BLOCK_ELEMENTS // rows))
-    lay.prepare_garbage()
-    # Non-finite values: the exact path, which tracks the rows that attend to them.
-    static_bound = None if lay.v_bad is not None else _static_bounds(spec, lay)
-
-    units = []
-    for bi in range(nb):
-        for h in range(spec.Hq):
-            for r0, r1 in _spans(0, spec.L, rows):
-                rv = min(r1, lay.q_len[bi])
-                c0, c1 = lay.structs[bi].col_range(r0, rv, lay.kv_len[bi]) if rv > r0 else (0, 0)
-                units.append((c1 - c0, bi, h, r0, r1))
-    units.sort(key=lambda u: -u[0])  # longest first balances causal work
-    serial = spec.Hq * nb * spec.L * spec.S < _SERIAL_WORK
-
-    def make_state():
-        return _FwdState(rows, width, spec.E, spec.Ev, cd)
-
-    def work(state, unit):
-        _, bi, h, r0, r1 = unit
-        _forward_tile(spec, lay, state, static_bound, out, lse, bi, h, r0, r1, width)
-
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"):
-        _run_units(units, make_state, work, serial)
-        _merge_sinks(lay, out, lse)
-
-    out_user = out.astype(spec.dtype, copy=False).reshape(spec.out_shape)
-    return out_user, lse.reshape(spec.lse_shape)
-
-
 def _static_bounds(spec: AttentionSpec, lay: _Layout):
     """Per-(batch, query head, row) upper bound on ``|score|`` (or ``None`` when a float
     mask rules the static shift out), and the extra log-room the sums need.
@@ -584,32 +528,6 @@ def _static_bounds(spec: AttentionSpec, lay: _Layout):
     if spec.softcap is not None:
         bound = np.minimum(bound, spec.softcap)
     return bound, room
-
-
-def _forward_tile(spec, lay, st, static_bound, out, lse, bi, h, r0, r1, width):
-    b = lay.lead_index[bi]
-    valid = min(r1, lay.q_len[bi])  # rows from q_len on are empty
-    if valid < r1:
-        out[b + (h, slice(max(r0, valid), r1))] = 0
-        lse[b + (h, slice(max(r0, valid), r1))] = -np.inf
-        if valid <= r0:
-            return
-        r1 = valid
-    c_lo, c_hi = lay.structs[bi].col_range(r0, r1, lay.kv_len[bi])
-    out_t = out[b + (h, slice(r0, r1))]
-    lse_t = lse[b + (h, slice(r0, r1))]
-    if c_hi <= c_lo:
-        out_t[...] = 0
-        lse_t[...] = -np.inf
-        return
-    static = False
-    if static_bound is not None:
-        bound, room = static_bound
-        static = float(bound[b + (h, slice(r0, r1))].max()) + room <= lay.limit
-    args = (spec, lay, st, bi, h, r0, r1, c_lo, c_hi, width, out_t, lse_t)
-    if static and _forward_rows(*args, static=True):
-        return
-    _forward_rows(*args, static=False)
 
 
 def _scores(spec, lay, st, structure, b, h, hk, r0, r1, c0, c1, q_t, s):
@@ -639,76 +557,6 @@ def _scaled_query(spec, lay, b, h, r0, r1, out):
     factor = spec.scale if spec.softcap is None else spec.scale / spec.softcap
     np.multiply(lay.q[b + (h, slice(r0, r1))], factor, out=out)
     return out
-
-
-def _forward_rows(spec, lay, st, bi, h, r0, r1, c_lo, c_hi, width, out_t, lse_t, static):
-    """One tile. Returns ``False`` (having written nothing usable) when the static path's
-    row sums underflowed and the exact path must redo the tile."""
-    b = lay.lead_index[bi]
-    hk = lay.kv_head(h)
-    n = r1 - r0
-    q_t = _scaled_query(spec, lay, b, h, r0, r1, st.q[:n])
-    l_sum = np.zeros((n,), lay.cd)
-    m = None if static else np.full((n,), -np.inf, lay.cd)
-    dropout = spec.dropout_p > 0
-    first = True
-    structure = lay.structs[bi]
-    # P @ bad: non-zero on rows giving weight to a non-finite value row (made NaN).
-    touched = None if lay.v_bad is None else np.zeros((n,), lay.cd)
-    for c0, c1 in _key_spans(structure, r0, r1, c_lo, c_hi, width):
-        w = c1 - c0
-        s = st.s[:n, :w]
-        _scores(spec, lay, st, structure, b, h, hk, r0, r1, c0, c1, q_t, s)
-        if static:
-            np.exp(s, out=s)
-        else:
-            m_blk = np.max(s, axis=1)
-            m_new = np.maximum(m, m_blk)
-            shift = np.where(np.isfinite(m_new), m_new, 0.0).astype(lay.cd, copy=False)
-            if not first:
-                alpha = np.exp(m - shift)  # m = -inf gives 0: nothing accumulated yet
-                np.multiply(out_t, alpha[:, None], out=out_t)
-                np.multiply(l_sum, alpha, out=l_sum)
-                if touched is not None:
-                    np.multiply(touched, alpha, out=touched)
-            m = m_new
-            np.subtract(s, shift[:, None], out=s)
-            np.exp(s, out=s)
-        l_blk = np.matmul(s, st.ones[:w], out=st.l_tmp[:n])
-        np.add(l_sum, l_blk, out=l_sum)
-        if dropout:
-            rows_i = np.arange(r0, r1, dtype=np.int32).reshape(-1, 1)
-            cols_i = np.arange(c0, c1, dtype=np.int32)
-            keep = dropout_keep(
-                np, spec.seed, spec.dropout_p, np.int32(bi), np.int32(h), rows_i, cols_i
-            )
-            np.multiply(s, keep, out=s)
-        v_blk = lay.v_op[b + (hk, slice(c0, c1))]
-        if touched is not None:
-            touched += s @ lay.v_bad[b + (hk, slice(c0, c1))]
-        if first:
-            np.matmul(s, v_blk, out=out_t)
-        else:
-            tmp = np.matmul(s, v_blk, out=st.acc_tmp[:n])
-            np.add(out_t, tmp, out=out_t)
-        first = False
-    if static:
-        # Underflowed (or empty) rows: the exact path knows whether a row is empty.
-        if np.any(l_sum < lay.tiny):
-            return False
-        np.log(l_sum, out=lse_t)
-    else:
-        shift = np.where(np.isfinite(m), m, 0.0)
-        with np.errstate(divide="ignore"):
-            np.add(shift, np.log(l_sum), out=lse_t)
-        lse_t[l_sum <= 0] = -np.inf
-    inv = np.where(l_sum > 0, 1.0 / np.where(l_sum > 0, l_sum, 1.0), 0.0).astype(lay.cd)
-    if dropout:
-        inv *= 1.0 / (1.0 - spec.dropout_p)
-    np.multiply(out_t, inv[:, None], out=out_t)
-    if touched is not None:
-        out_t[touched != 0] = np.nan
-    return True
 
 
 # ---------------------------------------------------------------------------------------
@@ -1113,6 +961,11 @@ def _add_mask_grad(spec, ctx, b, h, r0, r1, c0, c1, g):
         idx.append(slice(c0, c1))
     view = acc[tuple(idx)]
     np.add(view, g, out=view)
+
+
+# The forward lives in its own module (GQA-stacked tiles, split-KV); it uses the layout,
+# scratch and pool helpers above.
+from ._fast_forward import forward  # noqa: E402
 
 
 def _register() -> None:
