@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["vjp", "register_vjp", "differentiable_ops"]
+__all__ = ["vjp", "register_vjp", "differentiable_ops", "check_cotangent"]
 
 Pullback = Callable[[Any], tuple[Any, ...]]
 Rule = Callable[..., tuple[Any, Pullback]]
@@ -73,8 +73,69 @@ def vjp(fn: Callable[..., Any], *arrays: Any, **options: Any) -> tuple[Any, Pull
     n = len(arrays)
 
     def trimmed_pullback(cotangent: Any) -> tuple[Any, ...]:
+        check_cotangent(out, cotangent)
         grads = tuple(pullback(cotangent))
         grads = grads[:n] + (None,) * max(0, n - len(grads))
         return grads
 
     return out, trimmed_pullback
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)}"
+    shape = getattr(x, "shape", None)
+    if shape is not None:
+        return f"a {type(x).__name__} of shape {tuple(shape)} and dtype {x.dtype}"
+    return f"a {type(x).__name__}"
+
+
+def check_cotangent(out: Any, cotangent: Any, name: str = "cotangent") -> None:
+    """Check that ``cotangent`` has the structure of ``out``: one array (or ``None``,
+    meaning zero) per output array, of the output's library, device and shape, with a
+    real floating dtype for a real output (a complex cotangent would silently lose its
+    imaginary part). Raises ``TypeError``/``ValueError`` naming what was seen and what
+    was expected. Outputs that are neither arrays nor tuples/lists of them are left to
+    the rule.
+
+    Examples:
+        >>> import numpy as np
+        >>> check_cotangent(np.zeros(3), np.ones(3))
+        >>> check_cotangent(np.zeros(3), (np.ones(3), None))
+        Traceback (most recent call last):
+        ...
+        TypeError: cotangent must be one array shaped like the output (3,), got a tuple of 2 (a pair (d_out, d_lse) is for an output pair such as return_lse=True)
+    """
+    import array_api_compat
+
+    from ._backend import is_real_floating, namespace_of
+
+    if isinstance(out, (tuple, list)):
+        if not all(o is None or array_api_compat.is_array_api_obj(o) for o in out):
+            return
+        if not isinstance(cotangent, (tuple, list)) or len(cotangent) != len(out):
+            raise TypeError(
+                f"{name} must be a tuple of {len(out)} (one array or None per output, "
+                f"like the output), got {_describe(cotangent)}"
+            )
+        for i, (o, c) in enumerate(zip(out, cotangent, strict=True)):
+            if o is not None:
+                check_cotangent(o, c, f"{name}[{i}]")
+        return
+    if not array_api_compat.is_array_api_obj(out) or cotangent is None:
+        return
+    shape = tuple(out.shape)
+    if isinstance(cotangent, (tuple, list)):
+        raise TypeError(
+            f"{name} must be one array shaped like the output {shape}, got "
+            f"{_describe(cotangent)} (a pair (d_out, d_lse) is for an output pair such as "
+            "return_lse=True)"
+        )
+    xp = namespace_of(output=out, **{name: cotangent})
+    if is_real_floating(xp, out.dtype) and not is_real_floating(xp, cotangent.dtype):
+        raise TypeError(
+            f"{name} must have a real floating dtype like the output ({out.dtype}), got "
+            f"{cotangent.dtype}"
+        )
+    if tuple(cotangent.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(cotangent.shape)}, expected {shape}")

@@ -300,38 +300,48 @@ class _Layout:
         self._raw[name] = a  # unbroadcast: data checks read each element once
         return np.broadcast_to(a, self.spec.lead + tail)
 
-    def prepare_garbage(self) -> None:
-        """Set up what keeps garbage (NaN/Inf) in excluded pairs out of every result
-        (SEMANTICS, "Garbage in masked positions"), checked on the data once per call:
+    def prepare_garbage(self, backward: bool = False) -> None:
+        """Set up what keeps garbage (NaN, Inf, or values so huge that products overflow)
+        in excluded pairs out of every result (SEMANTICS, "Garbage in masked
+        positions"), decided on the data once per call, only when the call excludes
+        something. One norm pass per input: a finite norm proves the entries finite.
 
-        - ``q_op``/``k_op``/``v_op``: the operands that meet excluded pairs' zero weights
-          in products (``P V``, ``dS K``, ``dS^T Q``, ``dO V^T``), with non-finite entries
-          zeroed; the inputs themselves when they are finite or nothing is excluded;
+        - ``v_op`` (and ``q_op``/``k_op`` for the backward): the operands that meet
+          excluded pairs' zero weights in products (``P V``, ``dS K``, ``dS^T Q``,
+          ``dO V^T``), with non-finite entries zeroed; the inputs themselves when finite;
         - ``v_bad``: ``(*lead, Hkv, S)`` indicator of value rows holding NaN/Inf (rows
           that attend to one become NaN), or ``None``;
-        - ``qk_garbage``: a float mask's ``-inf`` must be re-applied after the addition
-          (garbage score + -inf is NaN)."""
-        if self._garbage_ready:
-            return
-        self._garbage_ready = True
+        - ``qk_garbage``: scores may be non-finite, so a float mask's ``-inf`` must be
+          re-applied after the addition (``inf + -inf`` is NaN);
+        - ``v_norm``: the largest value-row norm (bounds ``dO V^T`` in the backward)."""
         spec = self.spec
-        self.q_op, self.k_op, self.v_op = self.q, self.k, self.v
-        self.v_bad = None
-        self.qk_garbage = False
-        if not spec.may_mask:
-            return
-        finite = {n: bool(np.isfinite(a).all()) for n, a in self._raw.items()}
-        lead = spec.lead
-        if not finite["q"]:
-            self.q_op = np.broadcast_to(_finite_or_zero(self._raw["q"]), self.q.shape)
-        if not finite["k"]:
-            self.k_op = np.broadcast_to(_finite_or_zero(self._raw["k"]), self.k.shape)
-        if not finite["v"]:
-            raw = self._raw["v"]
-            self.v_op = np.broadcast_to(_finite_or_zero(raw), self.v.shape)
-            bad = np.logical_not(np.isfinite(raw).all(axis=-1)).astype(self.cd)
-            self.v_bad = np.broadcast_to(bad, lead + (spec.Hkv, spec.S))
-        self.qk_garbage = spec.mask_kind == "float" and not (finite["q"] and finite["k"])
+        if not self._garbage_ready:
+            self._garbage_ready = True
+            self.q_op, self.k_op, self.v_op = self.q, self.k, self.v
+            self.v_bad = None
+            self.qk_garbage = False
+            self.v_norm = 0.0
+            self._qk_checked = False
+            if spec.may_mask:
+                raw = self._raw["v"]
+                self.v_norm = _max_norm(raw)
+                if not math.isfinite(self.v_norm) and not np.isfinite(raw).all():
+                    self.v_op = np.broadcast_to(_finite_or_zero(raw), self.v.shape)
+                    bad = np.logical_not(np.isfinite(raw).all(axis=-1)).astype(self.cd)
+                    self.v_bad = np.broadcast_to(bad, spec.lead + (spec.Hkv, spec.S))
+                    self.v_norm = _max_norm(_finite_or_zero(raw))
+        if spec.may_mask and not self._qk_checked and (backward or spec.mask_kind == "float"):
+            self._qk_checked = True
+            big = float(np.finfo(self.cd).max) / 4
+            norms = {}
+            for name in ("q", "k"):
+                raw = self._raw[name]
+                norms[name] = _max_norm(raw)
+                if not math.isfinite(norms[name]) and not np.isfinite(raw).all():
+                    op = np.broadcast_to(_finite_or_zero(raw), getattr(self, name).shape)
+                    setattr(self, f"{name}_op", op)
+            bound = norms["q"] * norms["k"] * abs(spec.scale)
+            self.qk_garbage = spec.mask_kind == "float" and not bound < big
 
     def kv_head(self, h: int) -> int:
         spec = self.spec
@@ -345,6 +355,12 @@ class _Layout:
 
 def _finite_or_zero(a: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(a), a, a.dtype.type(0))
+
+
+def _max_norm(a: np.ndarray) -> float:
+    """The largest row norm of ``a`` (``inf``/``nan`` when an entry is non-finite or the
+    squares overflow; 0 for an empty array)."""
+    return float(_norms(a).max()) if a.size else 0.0
 
 
 def _per_batch(lengths: Any, nb: int, default: int) -> list[int]:
@@ -710,7 +726,7 @@ def backward(
     nan_rows = np.isnan(lse_f)
     lse_safe = np.where(finite, lse_f, np.where(lse_f > 0, lse_f, 0.0))
     lse_safe = np.where(nan_rows, -np.finfo(cd).max, lse_safe).astype(cd)
-    lay.prepare_garbage()
+    lay.prepare_garbage(backward=True)
     limit = _BWD_STATIC_LIMIT[cd]
     with np.errstate(over="ignore"):
         a_static = np.where(finite, np.exp(-lse_safe), 0.0).astype(cd)
@@ -728,8 +744,13 @@ def backward(
         delta = delta - dl
     delta = delta.astype(cd, copy=False)
     # Rows where dP - D may be non-finite: their excluded pairs need dS = 0 explicitly
-    # (0 * NaN is NaN), as do the rows of a NaN LSE.
+    # (0 * NaN is NaN), as do the rows of a NaN LSE; all rows when dO V^T may overflow
+    # (huge finite garbage in an excluded value row).
     rows_bad = np.logical_or(nan_rows, np.logical_not(np.isfinite(delta)))
+    if spec.may_mask and d_out is not None:
+        do_norm = _max_norm(np.asarray(d_out, dtype=cd))
+        if not do_norm * lay.v_norm < float(np.finfo(cd).max) / 4:
+            rows_bad = np.ones_like(rows_bad)
 
     inv_total = _row_totals(spec, lay, lse_f, finite)
     bound = None
