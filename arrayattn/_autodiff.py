@@ -101,10 +101,11 @@ def check_cotangent(out: Any, cotangent: Any, name: str = "cotangent") -> None:
     Examples:
         >>> import numpy as np
         >>> check_cotangent(np.zeros(3), np.ones(3))
-        >>> check_cotangent(np.zeros(3), (np.ones(3), None))
-        Traceback (most recent call last):
-        ...
-        TypeError: cotangent must be one array shaped like the output (3,), got a tuple of 2 (a pair (d_out, d_lse) is for an output pair such as return_lse=True)
+        >>> try:
+        ...     check_cotangent(np.zeros(3), (np.ones(3), None))
+        ... except TypeError as e:
+        ...     print(str(e)[:48])
+        cotangent must be one array shaped like the outp
     """
     import array_api_compat
 
