@@ -38,6 +38,7 @@ No buffer of ``L x S`` elements is ever allocated: per worker the largest buffer
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -163,6 +164,7 @@ def _after_fork_in_child() -> None:
     _POOL_SIZE = 0
     _POOL_LOCK = threading.Lock()
     _BLAS_ONE_THREAD.reset_after_fork()
+    _FORK_GATE.after_fork_in_child()
 
 
 class _SingleThreadedBlas:
@@ -212,8 +214,58 @@ class _SingleThreadedBlas:
 
 _BLAS_ONE_THREAD = _SingleThreadedBlas()
 
+
+class _ForkGate:
+    """Keeps ``fork`` from happening while a fast-path call runs in another thread.
+
+    OpenBLAS's own fork handler waits for its threads; forked in the middle of a BLAS
+    product (or while the one-thread limit is applied), the parent hung inside ``fork``.
+    Calls enter the gate shared; ``os.fork`` (multiprocessing's "fork", Dask and
+    DataLoader workers) waits until running calls leave, holds new ones back, and the
+    child starts with the gate open. A fork therefore waits for running calls instead of
+    deadlocking."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._active = 0
+        self._forking = 0
+
+    def __enter__(self) -> None:
+        with self._cond:
+            while self._forking:
+                self._cond.wait()
+            self._active += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._active -= 1
+            if self._active == 0:
+                self._cond.notify_all()
+
+    def before_fork(self) -> None:
+        # The lock stays held across fork: no thread is inside the gate's bookkeeping.
+        self._cond.acquire()
+        self._forking += 1
+        while self._active:
+            self._cond.wait()
+
+    def after_fork_in_parent(self) -> None:
+        self._forking -= 1
+        self._cond.notify_all()
+        self._cond.release()
+
+    def after_fork_in_child(self) -> None:
+        self.__init__()
+
+
+_FORK_GATE = _ForkGate()
+
 if hasattr(os, "register_at_fork"):  # POSIX; spawn and forkserver children start fresh
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(
+        before=_FORK_GATE.before_fork,
+        after_in_parent=_FORK_GATE.after_fork_in_parent,
+        after_in_child=_after_fork_in_child,
+    )
 
 
 def _run_units(
@@ -467,6 +519,18 @@ class _FwdState:
         self.bool = _Scratch(rows, keys, np.bool_)
 
 
+def _fork_safe(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn`` inside the fork gate (see :class:`_ForkGate`)."""
+
+    @functools.wraps(fn)
+    def gated(*args: Any, **kwargs: Any) -> Any:
+        with _FORK_GATE:
+            return fn(*args, **kwargs)
+
+    return gated
+
+
+@_fork_safe
 def forward(
     spec: AttentionSpec,
     query: np.ndarray,
@@ -687,6 +751,7 @@ class _BwdState:
         self.dv = np.empty((keys, Ev), cd)
 
 
+@_fork_safe
 def backward(
     spec: AttentionSpec,
     query: np.ndarray,
@@ -767,8 +832,15 @@ def backward(
     # gradient differ run to run. Each group owns its mask elements, so no lock either.
     groups = _mask_groups(spec, lay, nb)
     chunks = 1
+    key_width = BWD_KEYS
     if n_threads > 1 and len(groups) < 2 * n_threads:
-        chunks = max(1, min(n_key_blocks, -(-2 * n_threads // len(groups))))
+        want = -(-2 * n_threads // len(groups))
+        if spec.mask_kind == "float" and n_key_blocks < want:
+            # A broadcast float mask leaves few groups: narrower key chunks keep the
+            # pool busy (each chunk owns its mask columns).
+            key_width = max(64, -(-spec.S // want))
+            n_key_blocks = -(-spec.S // key_width)
+        chunks = max(1, min(n_key_blocks, want))
     dq_parts = np.zeros((chunks,) + lead + (spec.Hq, spec.L, spec.E), cd)
     dk_f = np.zeros(lead + (Hkv, spec.S, spec.E), cd)
     dv_f = np.zeros(lead + (Hkv, spec.S, spec.Ev), cd)
@@ -776,7 +848,7 @@ def backward(
     if spec.mask_kind == "float":
         d_mask_acc = np.zeros(lay.mask_padded_shape, cd)
 
-    key_spans = _spans(0, spec.S, BWD_KEYS)
+    key_spans = _spans(0, spec.S, key_width)
     per_chunk = -(-len(key_spans) // chunks)
     units = []
     for members in groups:
