@@ -20,11 +20,9 @@ def _check(x: Array, eps: float, **params: Array | None) -> tuple[Any, tuple[int
     xp = namespace_of(x=x, **params)
     if not is_real_floating(xp, x.dtype):
         raise TypeError(f"x must have a real floating dtype, got {x.dtype}")
-    if (
-        isinstance(eps, bool)
-        or not isinstance(eps, numbers.Real)
-        or not (math.isfinite(eps) and eps >= 0)
-    ):
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps must be a finite number >= 0, got {type(eps).__name__} {eps!r}")
+    if not (math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
     nd = 1
     for p in params.values():
