@@ -105,7 +105,8 @@ def namespace_of(**arrays: Array | None) -> Namespace:
     dev = device_of(present[first])
     for name in names[1:]:
         other = device_of(present[name])
-        if other != dev:
+        # A traced array (inside jax.jit) reports no device: only two known devices differ.
+        if dev is not None and other is not None and other != dev:
             raise TypeError(
                 f"{name} is on device {other!r} but {first} is on device {dev!r}; all arrays "
                 f"in one call must be on one device"
