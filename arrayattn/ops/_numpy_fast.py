@@ -838,7 +838,7 @@ def backward(
         if spec.mask_kind == "float" and n_key_blocks < want:
             # A broadcast float mask leaves few groups: narrower key chunks keep the
             # pool busy (each chunk owns its mask columns).
-            key_width = max(64, -(-spec.S // want))
+            key_width = min(BWD_KEYS, max(64, -(-spec.S // want)))
             n_key_blocks = -(-spec.S // key_width)
         chunks = max(1, min(n_key_blocks, want))
     dq_parts = np.zeros((chunks,) + lead + (spec.Hq, spec.L, spec.E), cd)
