@@ -219,7 +219,7 @@ def test_garbage_in_excluded_positions(impl, problem):
 @pytest.mark.slow
 @WIDE
 @pytest.mark.parametrize("impl", IMPLS)
-@_settings(400, slow=True)
+@_settings(2000, slow=True)
 @given(problem=garbage_problems(), dtype=st.sampled_from(["float32", "float64"]))
 def test_garbage_in_excluded_positions_wide(impl, problem, dtype):
     _check_garbage(impl, problem, dtype)
@@ -339,9 +339,13 @@ def _check_adversarial(impl, problem, dtype):
     out, lse, grads = _run(impl, q, k, v, mask, kwargs)
     r_out, r_lse, _ = ref.attention(q, k, v, mask, **kwargs)
     rtol, atol = TOLERANCES[dtype]
-    # The LSE of huge scores is as precise as the scores themselves (relative).
-    np.testing.assert_allclose(lse, r_lse, rtol=max(rtol, 1e-6) * 4, atol=atol)
-    np.testing.assert_allclose(out, r_out, rtol=rtol * 10, atol=atol * 10 + rtol)
+    # Scores computed in the dtype carry an absolute error of about eps * |q| * |k|: the
+    # conditioning of huge logits, not a defect. Output and LSE get that much slack.
+    score_err = float(np.finfo(dtype).eps) * magnitude * E * 8
+    np.testing.assert_allclose(lse, r_lse, rtol=max(rtol, 1e-6) * 4, atol=atol + score_err)
+    np.testing.assert_allclose(
+        out, r_out, rtol=rtol * 10, atol=atol * 10 + rtol + score_err * np.abs(v).max()
+    )
     composed = _run("composed", q, k, v, mask, kwargs)
     for g, c in zip(grads, composed[2], strict=True):
         if c is None:
@@ -363,7 +367,7 @@ def test_adversarial_values_agree(impl, problem):
 @pytest.mark.slow
 @WIDE
 @pytest.mark.parametrize("impl", ("chunked", "fast"))
-@_settings(300, slow=True)
+@_settings(1500, slow=True)
 @given(problem=adversarial_problems(), dtype=st.sampled_from(["float32", "float64"]))
 def test_adversarial_values_agree_wide(impl, problem, dtype):
     _check_adversarial(impl, problem, dtype)
