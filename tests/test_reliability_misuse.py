@@ -93,6 +93,31 @@ CASES = [
     ),
     ("sdpa-q-lengths-int", lambda: SDPA(Q, K, K, q_lengths=2), TypeError, "q_lengths"),
     ("sdpa-library-mix", lambda: SDPA(Q, _torch(), K), TypeError, "key"),
+    ("sdpa-query-none", lambda: SDPA(None, K, K), TypeError, "query"),
+    ("sdpa-mask-python-bool", lambda: SDPA(Q, K, K, True), TypeError, "attn_mask"),
+    ("sdpa-kv-lengths-list", lambda: SDPA(Q, K, K, kv_lengths=[2]), TypeError, "kv_lengths"),
+    (
+        "sdpa-kv-lengths-bool",
+        lambda: SDPA(Q, K, K, kv_lengths=np.array([True])),
+        TypeError,
+        "kv_lengths",
+    ),
+    (
+        "sdpa-return-lse-array",
+        lambda: SDPA(Q, K, K, implementation=None),
+        ValueError,
+        "implementation",
+    ),
+    ("sdpa-0d", lambda: SDPA(np.float32(1.0), K, K), (TypeError, ValueError), "query"),
+    ("varlen-none", lambda: aa.varlen_attention(None, X, X, CU, CU), TypeError, "query"),
+    ("varlen-cu-none", lambda: aa.varlen_attention(X, X, X, None, CU), TypeError, "cu_seqlens_q"),
+    ("rms-none", lambda: aa.rms_norm(None, W), TypeError, "x"),
+    ("layer-norm-none", lambda: aa.layer_norm(None, W, W), TypeError, "x"),
+    ("softmax-none", lambda: aa.softmax(None), TypeError, "x"),
+    ("split-heads-none", lambda: aa.split_heads(None, 2), TypeError, "x"),
+    ("apply-rope-none", lambda: aa.apply_rope(None, FREQS), TypeError, "x"),
+    ("apply-rope-freqs-none", lambda: aa.apply_rope(Q, None), TypeError, "freqs"),
+    ("merge-none", lambda: aa.merge_attention_states([None], [None]), TypeError, "outs"),
     # varlen_attention
     ("varlen-2d", lambda: aa.varlen_attention(X[0], X[0], X[0], CU, CU), ValueError, "query"),
     (
@@ -288,3 +313,27 @@ def test_error_leaves_no_state_behind():
         except (TypeError, ValueError, pytest.skip.Exception):
             pass
     np.testing.assert_array_equal(SDPA(Q, K, K, is_causal=True), before)
+
+
+ACCEPTED = [
+    ("numpy-int-window", lambda: SDPA(Q, K, K, window=(np.int64(1), np.int32(0)))),
+    ("numpy-float-scale", lambda: SDPA(Q, K, K, scale=np.float32(0.5))),
+    ("numpy-float-dropout", lambda: SDPA(Q, K, K, dropout_p=np.float64(0.1), seed=3)),
+    ("numpy-bool-causal", lambda: SDPA(Q, K, K, is_causal=np.bool_(True))),
+    (
+        "negative-lengths",
+        lambda: SDPA(Q, K, K, kv_lengths=np.array([-5]), q_lengths=np.array([-1])),
+    ),
+    ("numpy-int-heads", lambda: aa.split_heads(X, np.int64(2))),
+    (
+        "numpy-int-max-seqlen",
+        lambda: aa.varlen_attention(X, X, X, CU, CU, max_seqlen_q=np.int64(2)),
+    ),
+]
+
+
+@pytest.mark.parametrize("call", [c[1] for c in ACCEPTED], ids=[c[0] for c in ACCEPTED])
+def test_numpy_scalars_and_edge_values_are_accepted(call):
+    """NumPy scalars stand in for Python numbers, and out-of-range lengths clip."""
+    out = call()
+    assert np.isfinite(np.asarray(out)).all()

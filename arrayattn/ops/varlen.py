@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._autodiff import register_vjp, vjp
-from .._backend import Array, Namespace, device_of, lse_dtype, namespace_of
+from .._backend import Array, Namespace, device_of, lse_dtype, namespace_of, require_arrays
 from ._attention_spec import make_spec
 from .attention import implementations, scaled_dot_product_attention, split_cotangent
 
@@ -122,6 +122,13 @@ def _max_len(xp: Namespace, name: str, given: Any, cu: Array, total: int) -> int
 
 
 def _validate(query, key, value, cu_seqlens_q, cu_seqlens_k):
+    require_arrays(
+        query=query,
+        key=key,
+        value=value,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+    )
     xp = namespace_of(
         query=query,
         key=key,
