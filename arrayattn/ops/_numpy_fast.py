@@ -29,7 +29,14 @@ How it works (see ``SEMANTICS.md`` for what it computes):
   pool's threads and BLAS's threads do not oversubscribe the cores. Without
   ``threadpoolctl`` the pool still runs; OpenBLAS then decides its own threading per
   product (``pip install threadpoolctl`` is recommended). ``ARRAYATTN_NUM_THREADS`` sets
-  the number of worker threads (default: the CPUs this process may use).
+  the number of worker threads (default: the CPUs this process may use), read at each
+  call; changing it at run time is safe (the pool only grows, and is never shut down
+  under a caller).
+- ``fork``: a forked child builds its own pool (``os.register_at_fork``), and a fork
+  waits for fast-path calls running in other threads (:class:`_ForkGate`).
+- Garbage (NaN/Inf) in excluded keys, values and query rows is checked for once per call
+  (only when the call excludes something) and kept out of every product
+  (:meth:`_Layout.prepare_garbage`).
 
 No buffer of ``L x S`` elements is ever allocated: per worker the largest buffers hold
 ``rows x key-block`` elements (:data:`BLOCK_ELEMENTS`).
