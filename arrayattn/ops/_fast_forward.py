@@ -90,6 +90,7 @@ class _State:
         self.ones = np.ones((keys,), cd)
 
 
+@_nf._fork_safe
 def forward(
     spec: AttentionSpec,
     query: np.ndarray,

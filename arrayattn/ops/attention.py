@@ -76,6 +76,14 @@ def register_implementation(
     declines still runs when the implementation is named (e.g. the chunked path, which
     ``"auto"`` picks only for large score matrices).
     """
+    if not isinstance(name, str) or not name or name == "auto":
+        raise ValueError(f"name must be a non-empty str other than 'auto', got {name!r}")
+    missing = [m for m in ("forward", "backward") if not callable(getattr(impl, m, None))]
+    if missing:
+        raise TypeError(
+            f"impl must provide forward and backward (see Implementation), got "
+            f"{type(impl).__name__} without {', '.join(missing)}"
+        )
     _REGISTRY[name] = _Registered(impl, declines, auto_rank, auto_declines)
 
 
