@@ -29,6 +29,7 @@ __all__ = [
     "library_name",
     "is_numpy",
     "is_cupy",
+    "is_dask",
     "compute_dtype",
     "lse_dtype",
     "is_real_floating",
@@ -62,6 +63,11 @@ def is_numpy(xp: Namespace) -> bool:
 def is_cupy(xp: Namespace) -> bool:
     """True when ``xp`` is CuPy (plain or array-api-compat's wrapper)."""
     return bool(array_api_compat.is_cupy_namespace(xp))
+
+
+def is_dask(xp: Namespace) -> bool:
+    """True when ``xp`` is Dask's array namespace (array-api-compat's wrapper)."""
+    return bool(array_api_compat.is_dask_namespace(xp))
 
 
 def device_of(x: Array) -> Any:

@@ -87,6 +87,8 @@ def scores_block(
 def dropout_block(spec: AttentionSpec, rows: Array, cols: Array) -> Array:
     """The keep-mask for a block in the grouped layout ``(*lead, Hq/G, G, l, s)``."""
     batch, head = spec.index_arrays()
+    if spec.row0 or spec.col0:  # a block of a larger call: hash global positions
+        rows, cols = rows + spec.row0, cols + spec.col0
     return dropout_keep(spec.xp, spec.seed, spec.dropout_p, batch, head, rows, cols)
 
 
@@ -201,9 +203,10 @@ def backward(
     # A huge finite bias (Hugging Face's finfo.min masks) can absorb log(rowsum) into the
     # LSE (m + log S == m in floating point): exp(S - LSE) then sums to S, not 1. The whole
     # row is at hand here, so renormalise (a no-op up to rounding for ordinary rows).
-    total = xp.sum(p, axis=-1, keepdims=True)
-    nonempty = total > 0
-    p = p / xp.where(nonempty, total, full_scalar(xp, 1.0, cd, spec.device))
+    if not spec.partial_keys:  # a block's keys are not the whole row
+        total = xp.sum(p, axis=-1, keepdims=True)
+        nonempty = total > 0
+        p = p / xp.where(nonempty, total, full_scalar(xp, 1.0, cd, spec.device))
 
     grouped_rows = spec.lead + (spec.Hq // spec.G, spec.G, spec.L)
     do_g, delta, dl = backward_rows(spec, out, d_out, d_lse)

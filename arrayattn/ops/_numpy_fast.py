@@ -500,6 +500,17 @@ def _scores(spec, lay, st, structure, b, h, hk, r0, r1, c0, c1, q_t, s):
         np.copyto(s, -np.inf, where=blocked)
 
 
+def _dropout_keep(spec, bi, h, r0, r1, c0, c1):
+    """Keep-mask of a tile at global positions (a block of a larger call adds its
+    origins, see ``AttentionSpec.as_block``)."""
+    b = bi if spec.batch_ids is None else spec.batch_ids[bi]
+    rows_i = np.arange(r0 + spec.row0, r1 + spec.row0, dtype=np.int32).reshape(-1, 1)
+    cols_i = np.arange(c0 + spec.col0, c1 + spec.col0, dtype=np.int32)
+    return dropout_keep(
+        np, spec.seed, spec.dropout_p, np.int32(b), np.int32(h + spec.head0), rows_i, cols_i
+    )
+
+
 def _scaled_query(spec, lay, b, h, r0, r1, out):
     """Queries of the rows times the scale (divided by the softcap when there is one,
     so that ``tanh`` reads the matmul's output directly)."""
@@ -540,11 +551,7 @@ def _forward_rows(spec, lay, st, bi, h, r0, r1, c_lo, c_hi, width, out_t, lse_t,
         l_blk = np.matmul(s, st.ones[:w], out=st.l_tmp[:n])
         np.add(l_sum, l_blk, out=l_sum)
         if dropout:
-            rows_i = np.arange(r0, r1, dtype=np.int32).reshape(-1, 1)
-            cols_i = np.arange(c0, c1, dtype=np.int32)
-            keep = dropout_keep(
-                np, spec.seed, spec.dropout_p, np.int32(bi), np.int32(h), rows_i, cols_i
-            )
+            keep = _dropout_keep(spec, bi, h, r0, r1, c0, c1)
             np.multiply(s, keep, out=s)
         v_blk = lay.v[b + (hk, slice(c0, c1))]
         if first:
@@ -720,6 +727,8 @@ def _row_totals(spec, lay, lse_f, finite):
     composed and chunked paths renormalise, and so does this one. Ordinary rows (error
     ``|LSE| * eps`` below ``_RENORMALISE_LSE_ERROR``) are left alone, so the extra pass
     over the keys runs only for such rows."""
+    if spec.partial_keys:  # a block's keys are not the whole row: nothing to renormalise
+        return None
     eps = float(np.finfo(lay.cd).eps)
     need = finite & (np.abs(lse_f) * eps > _RENORMALISE_LSE_ERROR)
     if not need.any():
@@ -844,11 +853,7 @@ def _backward_block(spec, ctx, st, structure, bi, b, h, hk, r0, r1, c0, c1, dq, 
     inv_keep = 1.0
     if spec.dropout_p > 0:
         inv_keep = 1.0 / (1.0 - spec.dropout_p)
-        rows_i = np.arange(r0, r1, dtype=np.int32).reshape(-1, 1)
-        cols_i = np.arange(c0, c1, dtype=np.int32)
-        keep = dropout_keep(
-            np, spec.seed, spec.dropout_p, np.int32(bi), np.int32(h), rows_i, cols_i
-        )
+        keep = _dropout_keep(spec, bi, h, r0, r1, c0, c1)
 
     delta = ctx["delta"][row]
     tmat = st.dp[:n, :w]

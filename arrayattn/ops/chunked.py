@@ -257,7 +257,7 @@ def backward(
         do_blk, delta_blk, dl_blk = (rows_of(x, r0, r1) for x in (do_g, delta, dl))
         dq_acc = None
         row_total = None
-        if spec.mask_kind == "float":
+        if spec.mask_kind == "float" and not spec.partial_keys:
             # A huge additive bias (HF's finfo.min on a fully masked row) swallows
             # log(S) in the saved LSE, so exp(S - LSE) no longer sums to 1 on that row.
             # With float masks, one extra pass over the keys measures each row's total.
