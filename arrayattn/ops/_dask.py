@@ -74,9 +74,7 @@ def declines(spec: AttentionSpec) -> str | None:
 
 
 def _unknown_chunks(*arrays: Array | None) -> bool:
-    return any(
-        a is not None and any(math.isnan(c) for cs in a.chunks for c in cs) for a in arrays
-    )
+    return any(a is not None and any(math.isnan(c) for cs in a.chunks for c in cs) for a in arrays)
 
 
 # ---------------------------------------------------------------------------------------
@@ -117,9 +115,7 @@ class _Block:
             xp_lengths = _namespace(q)
         # Lengths in block coordinates (make_spec clips them to the block's rows/keys).
         q_loc = None if q_len is None else xp_lengths.astype(q_len, xp_lengths.int64) - self.row0
-        kv_loc = (
-            None if kv_len is None else xp_lengths.astype(kv_len, xp_lengths.int64) - self.col0
-        )
+        kv_loc = None if kv_len is None else xp_lengths.astype(kv_len, xp_lengths.int64) - self.col0
         spec = make_spec(
             q,
             k,
@@ -467,7 +463,9 @@ def _array(graph_layers, deps, name, dsk, parents, chunks, meta, dtype):
 
     graph_layers[name] = MaterializedLayer(dsk)
     deps[name] = set(parents)
-    return da.Array(HighLevelGraph(dict(graph_layers), dict(deps)), name, chunks, meta=meta, dtype=dtype)
+    return da.Array(
+        HighLevelGraph(dict(graph_layers), dict(deps)), name, chunks, meta=meta, dtype=dtype
+    )
 
 
 def _collect(arrays: list[Array]) -> tuple[dict, dict]:
@@ -539,10 +537,19 @@ def forward(
     from .._backend import compute_dtype
 
     xp = spec.xp
-    out = _array(layers, deps, out_name, out_dsk, {blk_name}, rows + ((spec.Ev,),),
-                 plan.q._meta, spec.dtype)
-    lse = _array(layers, deps, lse_name, lse_dsk, {blk_name}, rows, plan.q._meta,
-                 compute_dtype(xp, spec.dtype))
+    out = _array(
+        layers, deps, out_name, out_dsk, {blk_name}, rows + ((spec.Ev,),), plan.q._meta, spec.dtype
+    )
+    lse = _array(
+        layers,
+        deps,
+        lse_name,
+        lse_dsk,
+        {blk_name},
+        rows,
+        plan.q._meta,
+        compute_dtype(xp, spec.dtype),
+    )
     return xp.reshape(out, spec.out_shape), xp.reshape(lse, spec.lse_shape)
 
 
@@ -668,8 +675,12 @@ def backward(
 
 
 def _register() -> None:
+    import importlib.util
+
     from .attention import register_implementation
 
+    if importlib.util.find_spec("dask") is None:  # no Dask arrays can reach this path
+        return
     register_implementation("dask", sys.modules[__name__], declines=declines, auto_rank=1)
 
 
