@@ -164,10 +164,12 @@ def _namespace(x: Array) -> Any:
 # Task functions (run on the workers; module-level so that they pickle)
 # ---------------------------------------------------------------------------------------
 def _forward_block(blk: _Block, q, k, v, mask, q_len, kv_len):
+    from ._numpy_fast import one_thread
     from .attention import _select
 
     spec = blk.spec(q, k, v, mask, q_len, kv_len)
-    return _select(spec, "auto").forward(spec, q, k, v, mask)
+    with one_thread():  # Dask runs a task per core: no pool inside a task
+        return _select(spec, "auto").forward(spec, q, k, v, mask)
 
 
 def _empty_state(shapes: _Shapes, q):
@@ -194,9 +196,12 @@ def _pick(i: int, state):
 def _backward_block(blk: _Block, q, k, v, mask, out, lse, d_out, d_lse, q_len, kv_len):
     from .attention import _select
 
+    from ._numpy_fast import one_thread
+
     spec = blk.spec(q, k, v, mask, q_len, kv_len)
     lse = _namespace(lse).reshape(lse, spec.lse_shape)
-    return _select(spec, "auto").backward(spec, q, k, v, mask, out, lse, d_out, d_lse)
+    with one_thread():
+        return _select(spec, "auto").backward(spec, q, k, v, mask, out, lse, d_out, d_lse)
 
 
 @dataclass(frozen=True)

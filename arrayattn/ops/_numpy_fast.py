@@ -37,13 +37,14 @@ No buffer of ``L x S`` elements is ever allocated: per worker the largest buffer
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -54,7 +55,7 @@ from ._attention_spec import AttentionSpec
 from .dropout import dropout_keep
 from .masks import Structure, structural_allowed
 
-__all__ = ["forward", "backward", "declines", "num_threads", "BLOCK_ELEMENTS"]
+__all__ = ["forward", "backward", "declines", "num_threads", "one_thread", "BLOCK_ELEMENTS"]
 
 # Tunables (measured on a 2-core AMD EPYC with 1 MiB L2 per core; see bench/RESULTS.md).
 FWD_ROWS = 256
@@ -108,14 +109,41 @@ def declines(spec: AttentionSpec) -> str | None:
     return None
 
 
+_LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run fast-path calls made on this thread on this thread alone, BLAS included.
+
+    For callers that supply the parallelism themselves: a Dask task (Dask runs one task
+    per core, so a task's own pool would oversubscribe them).
+
+    Examples:
+        >>> with one_thread():
+        ...     num_threads()
+        1
+    """
+    previous = getattr(_LOCAL, "threads", None)
+    _LOCAL.threads = 1
+    try:
+        with _BLAS_ONE_THREAD:
+            yield
+    finally:
+        _LOCAL.threads = previous
+
+
 def num_threads() -> int:
-    """Worker threads the fast path uses: ``ARRAYATTN_NUM_THREADS`` or the usable CPUs.
+    """Worker threads the fast path uses: 1 inside :func:`one_thread`, else
+    ``ARRAYATTN_NUM_THREADS`` or the usable CPUs.
 
     Example::
 
         >>> num_threads() >= 1
         True
     """
+    if getattr(_LOCAL, "threads", None):
+        return _LOCAL.threads
     env = os.environ.get("ARRAYATTN_NUM_THREADS", "").strip()
     if env:
         try:
