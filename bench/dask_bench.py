@@ -96,7 +96,7 @@ def run_case(client, case: Case, backward: bool, repeats: int, seed: int = 0) ->
     t0 = time.perf_counter()
     graph = build()
     graph_s = time.perf_counter() - t0
-    tasks = _graph_tasks(graph) - inputs - (len(graph) - 1) * 0
+    tasks = _graph_tasks(graph) - inputs  # the inputs are persisted chunks
     # Warm-up of both (imports, worker pools), then interleaved timed runs.
     one_process()
     client.compute(build(), sync=True)
@@ -109,7 +109,6 @@ def run_case(client, case: Case, backward: bool, repeats: int, seed: int = 0) ->
         client.compute(build(), sync=True)
         cluster.append(time.perf_counter() - t0)
     peaks = client.run(_peak_rss_mib)
-    del qd, kd, vd
     return {
         "case": case,
         "backward": backward,

@@ -194,9 +194,8 @@ def _pick(i: int, state):
 
 
 def _backward_block(blk: _Block, q, k, v, mask, out, lse, d_out, d_lse, q_len, kv_len):
-    from .attention import _select
-
     from ._numpy_fast import one_thread
+    from .attention import _select
 
     spec = blk.spec(q, k, v, mask, q_len, kv_len)
     lse = _namespace(lse).reshape(lse, spec.lse_shape)
