@@ -97,17 +97,19 @@ class AttentionSpec:
         head0: int,
         row0: int,
         col0: int,
-        diagonal: int,
+        structure: Structure,
         offset_g: Array | None = None,
         offset_range: tuple[int, int] | None = None,
         partial_keys: bool = False,
     ) -> AttentionSpec:
         """This spec as the block of a larger call whose first head, query row and key
-        are ``head0``, ``row0``, ``col0``: ``diagonal`` and ``offset_g`` are the block's
-        own (global diagonal ``+ row0 - col0``), the origins feed the dropout hash."""
+        are ``head0``, ``row0``, ``col0``: ``structure`` and ``offset_g`` are the block's
+        own (the call's bounds, its diagonal moved by ``row0 - col0``; not rebuilt from
+        the block's sizes, which would drop bounds beyond them), the origins feed the
+        dropout hash."""
         return dataclasses.replace(
             self,
-            structure=dataclasses.replace(self.structure, offset=diagonal),
+            structure=structure,
             offset_g=offset_g,
             offset_range=offset_range,
             batch_ids=batch_ids,
@@ -121,6 +123,18 @@ class AttentionSpec:
     def has_lengths(self) -> bool:
         """True when ``q_lengths`` or ``kv_lengths`` was given."""
         return self.q_lengths is not None or self.kv_lengths is not None
+
+    @property
+    def may_mask(self) -> bool:
+        """True when some (query, key) pair may be excluded (a mask, lengths, or a
+        causal/window structure that cuts): then excluded keys and values may hold
+        garbage (NaN, Inf) that the paths must keep out of every result. Decided from
+        the arguments alone, never from data."""
+        return (
+            self.mask_kind is not None
+            or self.has_lengths
+            or not self.structure.excludes_nothing(self.L, self.S)
+        )
 
     @property
     def offset_bounds(self) -> tuple[int, int] | None:
@@ -413,7 +427,12 @@ def _lengths_g(
             f"(one length per sequence), got shape {shape}"
         )
     dev = device_of(lengths)
-    x = xp.astype(lengths, xp.int32)
-    x = xp.maximum(x, xp.asarray(0, dtype=xp.int32, device=dev))
-    x = xp.minimum(x, xp.asarray(size, dtype=xp.int32, device=dev))
+    # Clip in the lengths' own dtype, then cast: a cast first wraps 2**32 + 2 to 2.
+    dt = lengths.dtype
+    x = lengths
+    if xp.isdtype(dt, "signed integer"):
+        x = xp.maximum(x, xp.asarray(0, dtype=dt, device=dev))
+    if size <= int(xp.iinfo(dt).max):  # else no value of dt can exceed size
+        x = xp.minimum(x, xp.asarray(size, dtype=dt, device=dev))
+    x = xp.astype(x, xp.int32)
     return xp.reshape(x, lead + (1, 1, 1, 1))

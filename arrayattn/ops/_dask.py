@@ -44,6 +44,7 @@ import numpy as np
 
 from .._backend import Array, is_dask
 from ._attention_spec import AttentionSpec, make_spec
+from .masks import Structure
 
 __all__ = ["forward", "backward", "declines", "MERGE_FAN_IN", "SUM_FAN_IN"]
 
@@ -147,7 +148,7 @@ class _Block:
             head0=self.head0,
             row0=self.row0,
             col0=self.col0,
-            diagonal=c.diagonal + shift,
+            structure=Structure(c.diagonal + shift, *(c.window or (-1, -1))),
             offset_g=offset_g,
             offset_range=offset_range,
             partial_keys=self.partial_keys,
