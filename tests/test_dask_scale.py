@@ -35,7 +35,7 @@ KV_LEN = np.array([19, 4])
 # (query chunks, key chunks, value chunks): uneven last chunks, chunks of 1, misaligned.
 CHUNKINGS = {
     "seq uneven": ((2, 4, 7, 8), (2, 2, 5, 8), (2, 2, 5, 6)),
-    "seq of 1": ((1, 4, 1, 8), (1, 2, 1, 8), (1, 2, 1, 6)),
+    "seq of 1": ((1, 4, 1, 8), (1, 2, 4, 8), (1, 2, 4, 6)),
     "batch heads": ((1, 2, L, 8), (1, 1, S, 8), (1, 1, S, 6)),
     "misaligned": ((1, 1, 9, 3), (2, 2, 6, 8), (1, 1, 4, 6)),
 }
@@ -44,6 +44,8 @@ OPTIONS = {
     "causal": {"is_causal": True},
     "causal bottom-right": {"is_causal": True, "causal_align": "bottom_right"},
     "window skips blocks": {"window": (3, 1)},
+    # Bounds beyond a block's own L + S must stay bounds (they cut other blocks' rows).
+    "wide window": {"window": (12, 0)},
     "bool mask": {"attn_mask": BOOL_MASK},
     "float mask softcap": {"attn_mask": FLOAT_MASK, "softcap": 3.0},
     "dropout": {"dropout_p": 0.3, "seed": 11, "is_causal": True},
