@@ -29,6 +29,10 @@ D_OUT = rng.standard_normal((B, HQ, L, 6))
 D_LSE = rng.standard_normal((B, HQ, L))
 BOOL_MASK = rng.random((B, 1, L, S)) > 0.25
 FLOAT_MASK = rng.standard_normal((1, HQ, L, S))
+# Hugging Face style: finfo.min on excluded pairs, query row 3 excluded everywhere (its
+# huge LSE swallows log(rowsum); the backward renormalises such rows over the whole row).
+HF_MASK = np.where(BOOL_MASK, 0.0, np.finfo(np.float64).min)
+HF_MASK[:, :, 3, :] = np.finfo(np.float64).min
 Q_LEN = np.array([17, 23])
 KV_LEN = np.array([19, 4])
 
@@ -48,6 +52,7 @@ OPTIONS = {
     "wide window": {"window": (12, 0)},
     "bool mask": {"attn_mask": BOOL_MASK},
     "float mask softcap": {"attn_mask": FLOAT_MASK, "softcap": 3.0},
+    "finfo.min mask": {"attn_mask": HF_MASK},
     "dropout": {"dropout_p": 0.3, "seed": 11, "is_causal": True},
     "lengths bottom-right": {
         "q_lengths": Q_LEN,
@@ -125,6 +130,16 @@ def test_dask_picks_the_dask_path_and_names_it():
     assert any(k_[0].startswith("attn-blocks-") for k_ in dict(auto.__dask_graph__()))
     with pytest.raises(ValueError, match="needs Dask arrays"):
         aa.scaled_dot_product_attention(Q, K, V, enable_gqa=True, implementation="dask")
+
+
+def test_two_pullbacks_of_one_forward_do_not_share_graph_keys():
+    q, k, v = (da.from_array(x, chunks=(1, 2, 8, -1)) for x in (Q, K, V))
+    _, pullback = aa.vjp(aa.scaled_dot_product_attention, q, k, v, enable_gqa=True)
+    d1 = da.from_array(D_OUT, chunks=(1, 2, 8, 6))
+    g1, g2 = pullback(d1)[0], pullback(2 * d1)[0]
+    assert g1.name != g2.name
+    a, b = dask.compute(g1, g2, scheduler="sync")
+    np.testing.assert_allclose(b, 2 * a, rtol=1e-12, atol=1e-12)
 
 
 def test_float32_equals_numpy_within_rounding():

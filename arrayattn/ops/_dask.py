@@ -194,9 +194,107 @@ def _pick(i: int, state):
     return state[i]
 
 
-def _backward_block(blk: _Block, q, k, v, mask, out, lse, d_out, d_lse, q_len, kv_len):
+def _row_total_block(blk: _Block, q, k, mask, lse, q_len, kv_len):
+    """``sum_j exp(S_ij - LSE_i)`` over this block's keys, shaped like the LSE block, or
+    ``None`` when no row's ``|LSE|`` is so large that it swallowed ``log(rowsum)`` (see
+    ``_composed.RENORMALISE_LSE_ERROR``): rows of Hugging Face ``finfo.min`` biases, which
+    the one-process backward renormalises over the whole row. Runs only for float masks."""
+    from . import _composed
+
+    if isinstance(lse, tuple):  # a merged (out, lse) state
+        lse = lse[1]
+    spec = blk.spec(q, k, k, mask, q_len, kv_len)
+    xp, cd = spec.xp, spec.cdtype
+    lse_f = xp.astype(xp.reshape(lse, spec.lse_shape), cd)
+    if not bool(xp.any(_needs_total(xp, cd, lse_f))):
+        return None
+    s, _, _, _ = _composed.masked_scores(spec, q, k, mask)
+    p = _composed.probabilities_from_lse(spec, s, _composed._group_lse(spec, lse_f))
+    rows = spec.lead + (spec.Hq // spec.G, spec.G, spec.L)
+    total = xp.broadcast_to(xp.sum(p, axis=-1), rows)
+    return xp.reshape(total, spec.lead + (spec.Hq, spec.L))
+
+
+def _needs_total(xp, cd, lse):
+    from ._composed import RENORMALISE_LSE_ERROR
+
+    eps = float(xp.finfo(cd).eps)
+    return xp.logical_and(xp.isfinite(lse), xp.abs(lse) * eps > RENORMALISE_LSE_ERROR)
+
+
+def _row_factor(lse, *totals):
+    """``1 / total`` on the rows that need renormalising (1 elsewhere), or ``None``."""
+    parts = [t for t in totals if t is not None]
+    if not parts:
+        return None
+    xp = _namespace(parts[0])
+    total = parts[0]
+    for t in parts[1:]:
+        total = total + t
+    lse_f = xp.astype(xp.reshape(lse, tuple(total.shape)), total.dtype)
+    fix = xp.logical_and(_needs_total(xp, total.dtype, lse_f), total > 0)
+    one = xp.ones_like(total)
+    return xp.where(fix, one / xp.where(fix, total, one), one)
+
+
+def _fix_state(n: int, state, *parts):
+    """The merged ``(out, lse)`` with rows whose huge LSE swallowed the blocks' sizes
+    (``finfo.min`` bias rows: every ``lse_j`` rounds to the same value, so the LSE merge
+    weighs blocks equally) re-weighted by each block's exact total ``sum exp(S - LSE)``,
+    as the one-process call's whole-row softmax does. ``parts``: ``n`` block states, then
+    their totals (``None`` when no row needs it)."""
+    out, lse = state
+    states, totals = parts[:n], parts[n:]
+    if all(t is None for t in totals):
+        return state
+    xp = _namespace(lse)
+    cd = lse.dtype
+    total = num = None
+    for (o, _), t in zip(states, totals, strict=True):
+        term = xp.astype(t, cd)[..., None] * xp.astype(o, cd)
+        total = t if total is None else total + t
+        num = term if num is None else num + term
+    fix = xp.logical_and(_needs_total(xp, cd, lse), total > 0)
+    one = xp.ones_like(total)
+    fixed = num / xp.where(fix, total, one)[..., None]
+    out = xp.where(fix[..., None], xp.astype(fixed, out.dtype), out)
+    return out, lse
+
+
+def _renormalise_forward(plan, dsk, blk_name, li, hi, i, root, leaves):
+    """Tasks that correct the merge of query block ``i`` on huge-LSE rows (float masks)."""
+    totals = []
+    for leaf in leaves:
+        j = leaf[-1]
+        t_key = (blk_name + "-total", *li, hi, i, j)
+        dsk[t_key] = (
+            _row_total_block,
+            plan.block(li, hi, i, j),
+            plan.q_key(li, hi, i),
+            plan.kv_key(plan.k, li, hi, j),
+            plan.mask_key(li, hi, i, j),
+            root,
+            plan.len_key(plan.q_len, li),
+            plan.len_key(plan.kv_len, li),
+        )
+        totals.append(t_key)
+    key = (blk_name + "-fixed", *li, hi, i)
+    dsk[key] = (_fix_state, len(leaves), root, *leaves, *totals)
+    return key
+
+
+def _backward_block(blk: _Block, q, k, v, mask, out, lse, d_out, d_lse, q_len, kv_len, factor=None):
     from ._numpy_fast import one_thread
     from .attention import _select
+
+    if factor is not None:
+        # P_ij / T_i on renormalised rows: dS = c P (dP - D) and dV = P^T (c dO), so the
+        # row factor c goes on dO and dLSE (D = rowsum(dO * O) scales with dO).
+        xp = _namespace(factor)
+        if d_out is not None:
+            d_out = d_out * xp.astype(factor[..., None], d_out.dtype)
+        if d_lse is not None:
+            d_lse = d_lse * xp.astype(xp.reshape(factor, tuple(d_lse.shape)), d_lse.dtype)
 
     spec = blk.spec(q, k, v, mask, q_len, kv_len)
     lse = _namespace(lse).reshape(lse, spec.lse_shape)
@@ -530,6 +628,8 @@ def forward(
             else:
                 merge_name = blk_name + "-merge-" + "-".join(map(str, (*li, hi, i)))
                 root = _tree(dsk, merge_name, leaves, MERGE_FAN_IN, lambda lv, g: (_merge, *g))
+                if spec.mask_kind == "float" and len(leaves) > 1:
+                    root = _renormalise_forward(plan, dsk, blk_name, li, hi, i, root, leaves)
             out_dsk[(out_name, *li, hi, i, 0)] = (_pick, 0, root)
             lse_dsk[(lse_name, *li, hi, i)] = (_pick, 1, root)
 
@@ -603,9 +703,39 @@ def backward(
     out_r, do_r = rows_of(out, spec.Ev), rows_of(d_out, spec.Ev)
     lse_r, dl_r = rows_of(lse, None), rows_of(d_lse, None)
 
-    blk_name = "attn-bwd-" + plan.token
+    from dask.base import tokenize
+
+    # The cotangents are part of the graph's identity: two pullbacks must not share keys.
+    names_in = [None if a is None else a.name for a in (out_r, lse_r, do_r, dl_r)]
+    token = tokenize(plan.token, names_in)
+    blk_name = "attn-bwd-" + token
     dsk: dict = {}
     reach = plan.blocks()
+    # Float masks may carry huge biases whose rows the one-process backward renormalises
+    # over the whole row; with several key blocks, a first pass sums those totals.
+    factors = {}
+    if spec.mask_kind == "float" and len(plan.col_chunks) > 1:
+        for li, hi in plan.grid():
+            for i in range(len(plan.row_chunks)):
+                rk = (*li, hi, i)
+                totals = []
+                for j in reach[i]:
+                    t_key = (blk_name + "-total", *li, hi, i, j)
+                    dsk[t_key] = (
+                        _row_total_block,
+                        plan.block(li, hi, i, j),
+                        plan.q_key(li, hi, i),
+                        plan.kv_key(plan.k, li, hi, j),
+                        plan.mask_key(li, hi, i, j),
+                        (lse_r.name, *rk),
+                        plan.len_key(plan.q_len, li),
+                        plan.len_key(plan.kv_len, li),
+                    )
+                    totals.append(t_key)
+                if totals:
+                    f_key = (blk_name + "-factor", *rk)
+                    dsk[f_key] = (_row_factor, (lse_r.name, *rk), *totals)
+                    factors[rk] = f_key
     # For each input block: the block tasks that read it.
     readers: dict[int, dict[tuple, list]] = {0: {}, 1: {}, 2: {}, 3: {}}
     inputs = (plan.q, plan.k, plan.v, plan.mask)
@@ -630,6 +760,7 @@ def backward(
                     None if dl_r is None else (dl_r.name, *rk),
                     plan.len_key(plan.q_len, li),
                     plan.len_key(plan.kv_len, li),
+                    factors.get(rk),
                 )
                 for n, ik in enumerate(in_keys):
                     if ik is not None:
@@ -641,7 +772,7 @@ def backward(
         if x is None or (n == 3 and spec.mask_kind != "float"):
             grads.append(None)
             continue
-        g_name = f"attn-grad{n}-{plan.token}"
+        g_name = f"attn-grad{n}-{token}"
         g_dsk = {}
         for idx in product(*[range(len(c)) for c in x.chunks]):
             parts = readers[n].get(idx, [])
