@@ -5,7 +5,8 @@ graph on the cluster (``implementation="auto"`` picks the Dask path) and as one 
 call in this process (the NumPy fast path with this process's threads), interleaved and
 repeated. Chunks over batch, over heads and over the sequence; forward and
 forward+backward. Printed per case: graph build time, new tasks in the graph, median
-compute time (results gathered to this process), the ratio to one process, and each
+compute time (results left on the workers, as the inputs are; ``--gather`` also brings
+them to this process), the ratio to one process, and each
 worker's peak resident memory (high-water mark since the worker started).
 
 Usage::
@@ -71,7 +72,9 @@ def _graph_tasks(collections: list[Any]) -> int:
     return len(keys)
 
 
-def run_case(client, case: Case, backward: bool, repeats: int, seed: int = 0) -> dict:
+def run_case(
+    client, case: Case, backward: bool, repeats: int, gather: bool = False, seed: int = 0
+) -> dict:
     import dask.array as da
     from distributed import wait
 
@@ -99,14 +102,21 @@ def run_case(client, case: Case, backward: bool, repeats: int, seed: int = 0) ->
     tasks = _graph_tasks(graph) - inputs  # the inputs are persisted chunks
     # Warm-up of both (imports, worker pools), then interleaved timed runs.
     one_process()
-    client.compute(build(), sync=True)
+
+    def on_cluster():
+        if gather:
+            client.compute(build(), sync=True)
+        else:
+            wait(client.persist(build()))  # released when the futures go
+
+    on_cluster()
     single, cluster = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         one_process()
         single.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        client.compute(build(), sync=True)
+        on_cluster()
         cluster.append(time.perf_counter() - t0)
     peaks = client.run(_peak_rss_mib)
     return {
@@ -137,7 +147,7 @@ def long_run(args) -> dict:
         ) as cluster,
         Client(cluster) as client,
     ):
-        return run_case(client, case, backward=True, repeats=1)
+        return run_case(client, case, backward=True, repeats=1, gather=args.gather)
 
 
 def table(rows: list[dict], workers: str) -> str:
@@ -175,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-chunk", type=int, default=4096)
     p.add_argument("--long-memory-limit", default="1.5GiB")
     p.add_argument("--cases", default="batch,heads,sequence")
+    p.add_argument("--gather", action="store_true", help="time bringing results back too")
     p.add_argument("--passes", default="fwd,fwdbwd")
     p.add_argument("--append-results", default=None, help="append a section to this file")
     args = p.parse_args(argv)
@@ -207,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             for backward in (False, True):
                 if ("fwdbwd" if backward else "fwd") not in args.passes.split(","):
                     continue
-                rows.append(run_case(client, case, backward, args.repeats))
+                rows.append(run_case(client, case, backward, args.repeats, args.gather))
                 print(table(rows[-1:], workers).splitlines()[-1], flush=True)
     finally:
         client.close()

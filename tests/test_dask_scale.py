@@ -303,3 +303,20 @@ def test_runs_on_a_local_cluster_of_worker_processes():
         got, dq = client.compute([out, pb(da.ones_like(out))[0]], sync=True)
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
     np.testing.assert_allclose(dq, dq_want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_dask_bench_quick_run(tmp_path, capsys):
+    pytest.importorskip("distributed")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "dask_bench.py"
+    spec = importlib.util.spec_from_file_location("dask_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    results = tmp_path / "RESULTS.md"
+    argv = ["--quick", "--cases", "heads", "--passes", "fwd", "--append-results", str(results)]
+    assert bench.main(argv) == 0
+    assert "| heads | fwd |" in capsys.readouterr().out
+    assert "Dask scale-out run" in results.read_text()
