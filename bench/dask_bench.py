@@ -59,10 +59,15 @@ def cases(length: int, heads: int, dim: int, chunk: int) -> list[Case]:
     ]
 
 
-def _peak_rss_mib() -> float:
-    import resource
+def _peak_rss_mib(client) -> float:
+    """The largest worker's resident-memory high-water mark (MiB) since it started."""
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+    def peak() -> float:  # nested, so it pickles by value (workers need not see bench/)
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+    return max(client.run(peak).values())
 
 
 def _graph_tasks(collections: list[Any]) -> int:
@@ -118,7 +123,7 @@ def run_case(
         t0 = time.perf_counter()
         on_cluster()
         cluster.append(time.perf_counter() - t0)
-    peaks = client.run(_peak_rss_mib)
+    peak_mib = _peak_rss_mib(client)
     return {
         "case": case,
         "backward": backward,
@@ -127,7 +132,7 @@ def run_case(
         "single_s": statistics.median(single),
         "cluster_s": statistics.median(cluster),
         "ratios": [c / s for c, s in zip(cluster, single, strict=True)],
-        "peak_mib": max(peaks.values()),
+        "peak_mib": peak_mib,
     }
 
 
