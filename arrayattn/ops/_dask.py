@@ -109,8 +109,10 @@ class _Block:
     col0: int
     partial_keys: bool
 
-    def spec(self, q, k, v, mask, q_len, kv_len) -> AttentionSpec:
+    def spec(self, q, k, v, mask, q_len, kv_len, alibi=None) -> AttentionSpec:
         c = self.call
+        # Per-head options only when given (older specs have no such keywords).
+        per_head = {} if alibi is None else {"alibi_slopes": alibi}
         xp_lengths = None
         if q_len is not None or kv_len is not None:
             xp_lengths = _namespace(q)
@@ -132,6 +134,7 @@ class _Block:
             c.seed,
             q_lengths=q_loc,
             kv_lengths=kv_loc,
+            **per_head,
         )
         shift = self.row0 - self.col0
         offset_g = offset_range = None
@@ -164,11 +167,11 @@ def _namespace(x: Array) -> Any:
 # ---------------------------------------------------------------------------------------
 # Task functions (run on the workers; module-level so that they pickle)
 # ---------------------------------------------------------------------------------------
-def _forward_block(blk: _Block, q, k, v, mask, q_len, kv_len):
+def _forward_block(blk: _Block, q, k, v, mask, q_len, kv_len, alibi=None):
     from ._numpy_fast import one_thread
     from .attention import _select
 
-    spec = blk.spec(q, k, v, mask, q_len, kv_len)
+    spec = blk.spec(q, k, v, mask, q_len, kv_len, alibi)
     with one_thread():  # Dask runs a task per core: no pool inside a task
         return _select(spec, "auto").forward(spec, q, k, v, mask)
 
@@ -184,6 +187,17 @@ def _empty_state(shapes: _Shapes, q):
     return out, lse
 
 
+def _sink_state(state, sink):
+    """Merge the sink (a logit with no value, gpt-oss) into a row block's ``(out, lse)``:
+    the state over all keys, merged with ``(0, sink_h)``."""
+    out, lse = state
+    xp = _namespace(lse)
+    s = xp.astype(sink, lse.dtype)[..., None]  # (*lead or 1, heads or 1, 1) over rows
+    new = xp.logaddexp(lse, s)
+    w = xp.where(xp.isfinite(lse), xp.exp(lse - new), xp.zeros_like(lse))
+    return xp.astype(out * xp.astype(w[..., None], out.dtype), out.dtype), new
+
+
 def _merge(*states):
     from .merge import merge_attention_states
 
@@ -194,7 +208,7 @@ def _pick(i: int, state):
     return state[i]
 
 
-def _row_total_block(blk: _Block, q, k, mask, lse, q_len, kv_len):
+def _row_total_block(blk: _Block, q, k, mask, lse, q_len, kv_len, alibi=None):
     """``sum_j exp(S_ij - LSE_i)`` over this block's keys, shaped like the LSE block, or
     ``None`` when no row's ``|LSE|`` is so large that it swallowed ``log(rowsum)`` (see
     ``_composed.RENORMALISE_LSE_ERROR``): rows of Hugging Face ``finfo.min`` biases, which
@@ -203,7 +217,7 @@ def _row_total_block(blk: _Block, q, k, mask, lse, q_len, kv_len):
 
     if isinstance(lse, tuple):  # a merged (out, lse) state
         lse = lse[1]
-    spec = blk.spec(q, k, k, mask, q_len, kv_len)
+    spec = blk.spec(q, k, k, mask, q_len, kv_len, alibi)
     xp, cd = spec.xp, spec.cdtype
     lse_f = xp.astype(xp.reshape(lse, spec.lse_shape), cd)
     if not bool(xp.any(_needs_total(xp, cd, lse_f))):
@@ -276,6 +290,7 @@ def _renormalise_forward(plan, dsk, blk_name, li, hi, i, root, leaves):
             root,
             plan.len_key(plan.q_len, li),
             plan.len_key(plan.kv_len, li),
+            plan.head_key(plan.alibi, li, hi),
         )
         totals.append(t_key)
     key = (blk_name + "-fixed", *li, hi, i)
@@ -283,7 +298,9 @@ def _renormalise_forward(plan, dsk, blk_name, li, hi, i, root, leaves):
     return key
 
 
-def _backward_block(blk: _Block, q, k, v, mask, out, lse, d_out, d_lse, q_len, kv_len, factor=None):
+def _backward_block(
+    blk: _Block, q, k, v, mask, out, lse, d_out, d_lse, q_len, kv_len, factor=None, alibi=None
+):
     from ._numpy_fast import one_thread
     from .attention import _select
 
@@ -296,7 +313,7 @@ def _backward_block(blk: _Block, q, k, v, mask, out, lse, d_out, d_lse, q_len, k
         if d_lse is not None:
             d_lse = d_lse * xp.astype(xp.reshape(factor, tuple(d_lse.shape)), d_lse.dtype)
 
-    spec = blk.spec(q, k, v, mask, q_len, kv_len)
+    spec = blk.spec(q, k, v, mask, q_len, kv_len, alibi)
     lse = _namespace(lse).reshape(lse, spec.lse_shape)
     with one_thread():
         return _select(spec, "auto").backward(spec, q, k, v, mask, out, lse, d_out, d_lse)
@@ -375,6 +392,8 @@ class _Plan:
     col_chunks: tuple[int, ...]
     call: _Call
     token: str
+    sinks: Array | None = None  # (*lead or 1s, Hq or 1), rechunked like the output
+    alibi: Array | None = None
 
     # -- block keys of the (rechunked, padded) inputs ---------------------------------
     def _lead_idx(self, x: Array, li: tuple[int, ...]) -> tuple[int, ...]:
@@ -397,6 +416,11 @@ class _Plan:
             + self._lead_idx(m, li)
             + (h, 0 if m.shape[-2] == 1 else i, 0 if m.shape[-1] == 1 else j)
         )
+
+    def head_key(self, x, li, hi):
+        if x is None:
+            return None
+        return (x.name,) + self._lead_idx(x, li) + (0 if x.shape[-1] == 1 else hi,)
 
     def len_key(self, x, li):
         if x is None:
@@ -439,7 +463,9 @@ class _Plan:
             head0=_starts(self.head_chunks)[hi],
             row0=_starts(self.row_chunks)[i],
             col0=_starts(self.col_chunks)[j],
-            partial_keys=len(self.col_chunks) > 1,
+            # With sinks the blocks run without them (the sink joins each row once, after
+            # the merge), so no block's rows are whole rows.
+            partial_keys=len(self.col_chunks) > 1 or self.sinks is not None,
         )
 
     def grid(self):
@@ -453,7 +479,7 @@ class _Plan:
         return _Shapes(rows + (self.spec.Ev,), rows)
 
     def inputs(self) -> list[Array]:
-        xs = (self.q, self.k, self.v, self.mask, self.q_len, self.kv_len)
+        xs = (self.q, self.k, self.v, self.mask, self.q_len, self.kv_len, self.sinks, self.alibi)
         return [x for x in xs if x is not None]
 
 
@@ -505,6 +531,13 @@ def _plan(spec: AttentionSpec, query, key, value, attn_mask, tag: str) -> _Plan:
         q_len = rechunk(spec.q_lengths, lead_chunks)
     if spec.kv_lengths is not None:
         kv_len = rechunk(spec.kv_lengths, lead_chunks)
+    per_head = []
+    for x in (getattr(spec, "sinks", None), getattr(spec, "alibi_slopes", None)):
+        if x is not None:
+            x = _pad(x, len(lead) + 1)
+            hc = [lead_chunks[a] if x.shape[a] > 1 else (1,) for a in range(len(lead))]
+            x = rechunk(x, hc + [head_chunks if x.shape[-1] > 1 else (1,)])
+        per_head.append(x)
     st = spec.structure
     call = _Call(
         dropout_p=spec.dropout_p,
@@ -519,7 +552,7 @@ def _plan(spec: AttentionSpec, query, key, value, attn_mask, tag: str) -> _Plan:
         per_sequence_diagonal=spec.offset_g is not None,
         offset_bounds=spec.offset_bounds,
     )
-    names = [x.name for x in (q, k, v, mask, q_len, kv_len) if x is not None]
+    names = [x.name for x in (q, k, v, mask, q_len, kv_len, *per_head) if x is not None]
     token = tokenize(tag, names, call, lead_chunks, head_chunks)
     return _Plan(
         spec,
@@ -536,6 +569,7 @@ def _plan(spec: AttentionSpec, query, key, value, attn_mask, tag: str) -> _Plan:
         col_chunks,
         call,
         token,
+        *per_head,
     )
 
 
@@ -620,6 +654,7 @@ def forward(
                     plan.mask_key(li, hi, i, j),
                     plan.len_key(plan.q_len, li),
                     plan.len_key(plan.kv_len, li),
+                    plan.head_key(plan.alibi, li, hi),
                 )
                 leaves.append(key_)
             if not leaves:
@@ -630,6 +665,10 @@ def forward(
                 root = _tree(dsk, merge_name, leaves, MERGE_FAN_IN, lambda lv, g: (_merge, *g))
                 if spec.mask_kind == "float" and len(leaves) > 1:
                     root = _renormalise_forward(plan, dsk, blk_name, li, hi, i, root, leaves)
+            if plan.sinks is not None:
+                sunk = (blk_name + "-sink", *li, hi, i)
+                dsk[sunk] = (_sink_state, root, plan.head_key(plan.sinks, li, hi))
+                root = sunk
             out_dsk[(out_name, *li, hi, i, 0)] = (_pick, 0, root)
             lse_dsk[(lse_name, *li, hi, i)] = (_pick, 1, root)
 
@@ -730,6 +769,7 @@ def backward(
                         (lse_r.name, *rk),
                         plan.len_key(plan.q_len, li),
                         plan.len_key(plan.kv_len, li),
+                        plan.head_key(plan.alibi, li, hi),
                     )
                     totals.append(t_key)
                 if totals:
@@ -761,6 +801,7 @@ def backward(
                     plan.len_key(plan.q_len, li),
                     plan.len_key(plan.kv_len, li),
                     factors.get(rk),
+                    plan.head_key(plan.alibi, li, hi),
                 )
                 for n, ik in enumerate(in_keys):
                     if ik is not None:
