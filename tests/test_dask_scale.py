@@ -322,3 +322,53 @@ def test_dask_bench_quick_run(tmp_path, capsys, monkeypatch):
     assert bench.main(argv) == 0
     assert "| heads | fwd |" in capsys.readouterr().out
     assert "Dask scale-out run" in results.read_text()
+
+
+_HAS_SINKS = "sinks" in __import__("inspect").signature(aa.scaled_dot_product_attention).parameters
+
+
+@pytest.mark.skipif(not _HAS_SINKS, reason="sinks=/alibi_slopes= not in this version")
+@pytest.mark.parametrize("chunking", ["seq uneven", "batch heads"])
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"sinks": rng.standard_normal(HQ)},
+        {"alibi_slopes": 2.0 ** -np.arange(1, HQ + 1), "is_causal": True},
+        {
+            "alibi_slopes": rng.random((B, HQ)),
+            "sinks": rng.standard_normal(HQ),
+            "is_causal": True,
+            "causal_align": "bottom_right",
+            "q_lengths": Q_LEN,
+            "kv_lengths": KV_LEN,
+        },
+    ],
+    ids=["sinks", "alibi causal", "alibi per batch + sinks + lengths"],
+)
+def test_sinks_and_alibi_equal_numpy(chunking, option):
+    qc, kc, vc = CHUNKINGS[chunking]
+
+    def run(q, k, v, d, dl, options):
+        out, pullback = aa.vjp(
+            aa.scaled_dot_product_attention, q, k, v, enable_gqa=True, return_lse=True, **options
+        )
+        grads = pullback((d, dl))
+        extra = [grads[-1]["sinks"]] if isinstance(grads[-1], dict) else []
+        return [*out, *grads[:3], *extra]
+
+    want = run(Q, K, V, D_OUT, D_LSE, option)
+    lazy_options = {
+        name: da.from_array(x) if isinstance(x, np.ndarray) else x for name, x in option.items()
+    }
+    with dask.config.set(scheduler=_no_compute):
+        lazy = run(
+            _dask(Q, qc),
+            _dask(K, kc),
+            _dask(V, vc),
+            _dask(D_OUT, qc[:3] + (6,)),
+            _dask(D_LSE, qc[:3]),
+            lazy_options,
+        )
+    got = dask.compute(*lazy, scheduler="sync")
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
