@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-memory-limit", default="1.5GiB")
     p.add_argument("--cases", default="batch,heads,sequence")
     p.add_argument("--gather", action="store_true", help="time bringing results back too")
+    p.add_argument("--lean", action="store_true", help="workers without profiler/GIL monitor")
     p.add_argument("--passes", default="fwd,fwdbwd")
     p.add_argument("--append-results", default=None, help="append a section to this file")
     args = p.parse_args(argv)
@@ -198,8 +199,18 @@ def main(argv: list[str] | None = None) -> int:
         args.length, args.chunk, args.repeats = 512, 128, 1
         args.long_length, args.long_chunk = 2048, 512
 
+    import dask
     from distributed import Client, LocalCluster
 
+    if args.lean:
+        # Worker housekeeping that samples threads while tasks run (stack profiler every
+        # 10 ms, GIL contention monitor every 1 ms): off, for LocalClusters started here.
+        dask.config.set(
+            {
+                "distributed.worker.profile.enabled": False,
+                "distributed.admin.system-monitor.gil.enabled": False,
+            }
+        )
     if args.scheduler_address:
         client = Client(args.scheduler_address)
         cluster = None

@@ -1,7 +1,7 @@
 """``implementation="dask"``: attention over Dask arrays as a graph of a few large tasks.
 
-``implementation="auto"`` picks this path for Dask arrays (of known chunk sizes). It never
-computes while it builds the graph, and the graph has one task per block, not per element:
+``implementation="auto"`` picks this path for Dask arrays. It never computes while it
+builds the graph, and the graph has one task per block, not per element:
 
 - The output is cut like the query: its batch (leading) chunks, its head chunks (rounded
   up to whole GQA groups, so each KV head stays with its query heads) and its sequence
@@ -18,6 +18,14 @@ computes while it builds the graph, and the graph has one task per block, not pe
   saved output and LSE (``P = exp(S - LSE)``, ``D = rowsum(dO * O)``), and sums each
   input block's gradient over the tasks that read it (dK/dV over query blocks, dQ over
   key blocks, over batch chunks for broadcast keys) in a tree. No task holds ``L x S``.
+- Each task runs its chunk's path on one thread (``_numpy_fast.one_thread``): Dask
+  supplies the parallelism, one task per worker thread.
+- ``sinks`` join each row once, merged into the row block's state after the key blocks;
+  ``alibi_slopes`` are cut per head chunk and each block applies them on its own diagonal.
+- Rows whose LSE swallowed ``log(rowsum)`` (Hugging Face ``finfo.min`` float masks on a
+  fully masked row) are re-weighted by exact per-block totals, forward and backward, as
+  the one-process call's whole-row softmax does; this extra pass runs only for float
+  masks split over several key blocks.
 
 Every block is an :class:`~arrayattn.ops._attention_spec.AttentionSpec` of its own, made
 with :meth:`~arrayattn.ops._attention_spec.AttentionSpec.as_block`: its diagonal is the
@@ -55,8 +63,7 @@ SUM_FAN_IN = 8
 
 
 def declines(spec: AttentionSpec) -> str | None:
-    """``None`` when this path takes the call (Dask arrays of known chunk sizes), else
-    the reason.
+    """``None`` when this path takes the call (Dask arrays), else the reason.
 
     Examples:
         >>> import numpy as np
@@ -72,10 +79,6 @@ def declines(spec: AttentionSpec) -> str | None:
 
         return f'implementation="dask" needs Dask arrays, got {library_name(spec.xp)} arrays'
     return None
-
-
-def _unknown_chunks(*arrays: Array | None) -> bool:
-    return any(a is not None and any(math.isnan(c) for cs in a.chunks for c in cs) for a in arrays)
 
 
 # ---------------------------------------------------------------------------------------
@@ -629,10 +632,6 @@ def forward(
         >>> out.shape, out.chunks[1:3]
         ((1, 2, 8, 4), ((1, 1), (4, 4)))
     """
-    if _unknown_chunks(query, key, value, attn_mask, spec.q_lengths, spec.kv_lengths):
-        from . import _composed
-
-        return _composed.forward(spec, query, key, value, attn_mask)
     plan = _plan(spec, query, key, value, attn_mask, "fwd")
     dsk: dict = {}
     blk_name = "attn-blocks-" + plan.token
@@ -721,10 +720,6 @@ def backward(
         >>> [g.shape for g in pullback(da.ones_like(out))]
         [(1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8, 4)]
     """
-    if _unknown_chunks(query, key, value, attn_mask, spec.q_lengths, spec.kv_lengths):
-        from . import _composed
-
-        return _composed.backward(spec, query, key, value, attn_mask, out, lse, d_out, d_lse)
     xp = spec.xp
     plan = _plan(spec, query, key, value, attn_mask, "bwd")
     nd = plan.nd

@@ -127,7 +127,7 @@ def one_thread() -> Iterator[None]:
     previous = getattr(_LOCAL, "threads", None)
     _LOCAL.threads = 1
     try:
-        with _BLAS_ONE_THREAD:
+        with _LINGERING_BLAS_LIMIT:
             yield
     finally:
         _LOCAL.threads = previous
@@ -191,6 +191,7 @@ def _after_fork_in_child() -> None:
     _POOL_SIZE = 0
     _POOL_LOCK = threading.Lock()
     _BLAS_ONE_THREAD.reset_after_fork()
+    _LINGERING_BLAS_LIMIT.reset()
 
 
 class _SingleThreadedBlas:
@@ -239,6 +240,50 @@ class _SingleThreadedBlas:
 
 
 _BLAS_ONE_THREAD = _SingleThreadedBlas()
+
+
+class _LingeringBlasLimit:
+    """``_BLAS_ONE_THREAD`` held across back-to-back :func:`one_thread` blocks (Dask
+    tasks), released :data:`LINGER_S` seconds after the last one ends. Handing OpenBLAS
+    its threads back between two tasks and taking them again made two concurrent tasks
+    30x slower than one after the other on a loaded 2-core machine (measured 2026-11-22;
+    with the limit held they run at the serial speed)."""
+
+    LINGER_S = 0.2
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._held = False
+        self._generation = 0
+
+    def __enter__(self) -> None:
+        with self._lock:
+            self._active += 1
+            self._generation += 1
+            if not self._held:
+                _BLAS_ONE_THREAD.__enter__()
+                self._held = True
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                timer = threading.Timer(self.LINGER_S, self._release, (self._generation,))
+                timer.daemon = True
+                timer.start()
+
+    def _release(self, generation: int) -> None:
+        with self._lock:
+            if self._held and self._active == 0 and self._generation == generation:
+                _BLAS_ONE_THREAD.__exit__(None, None, None)
+                self._held = False
+
+
+_LINGERING_BLAS_LIMIT = _LingeringBlasLimit()
 
 if hasattr(os, "register_at_fork"):  # POSIX; spawn and forkserver children start fresh
     os.register_at_fork(after_in_child=_after_fork_in_child)
