@@ -70,6 +70,10 @@ def _peak_rss_mib(client) -> float:
     return max(client.run(peak).values())
 
 
+def _known_keys(dask_scheduler, keys) -> int:
+    return sum(1 for k in keys if k in dask_scheduler.tasks)
+
+
 def _graph_tasks(collections: list[Any]) -> int:
     keys: set = set()
     for c in collections:
@@ -81,6 +85,7 @@ def run_case(
     client, case: Case, backward: bool, repeats: int, gather: bool = False, seed: int = 0
 ) -> dict:
     import dask.array as da
+    from dask.core import flatten
     from distributed import wait
 
     rng = np.random.default_rng(seed)
@@ -109,10 +114,19 @@ def run_case(
     one_process()
 
     def on_cluster():
+        graph = build()
+        keys = [k for c in graph for k in flatten(c.__dask_keys__())]
         if gather:
-            client.compute(build(), sync=True)
+            client.compute(graph, sync=True)
         else:
-            wait(client.persist(build()))  # released when the futures go
+            futures = client.persist(graph)
+            wait(futures)
+            client.cancel(futures)
+            del futures
+        # The next run builds the same keys (the graph is deterministic): wait until the
+        # scheduler has forgotten these, or it would hand back the old results.
+        while client.run_on_scheduler(_known_keys, keys=keys):
+            time.sleep(0.01)
 
     on_cluster()
     single, cluster = [], []
