@@ -211,3 +211,132 @@ def test_timm_style_qk_layernorm_attention():
     np.testing.assert_allclose(dx, xt.grad.numpy(), **TOL)
     for name in w:
         np.testing.assert_allclose(dp[name], w[name].grad.numpy(), **TOL, err_msg=name)
+
+
+TORCH_NAMES = {
+    "in_proj_weight": "qkv_proj.weight",
+    "in_proj_bias": "qkv_proj.bias",
+    "out_proj.weight": "o_proj.weight",
+    "out_proj.bias": "o_proj.bias",
+}
+
+
+@pytest.mark.parametrize("average", [True, False])
+def test_kdim_vdim_weights_and_float_mask_gradient_equal_torch(average):
+    """The PyTorch tutorial's E_q != E_k != E_v, need_weights (averaged or per head) and
+    a learned float mask whose gradient comes from the module's vjp."""
+    E, H, Ck, Cv, B, L, S = 12, 3, 7, 5, 2, 3, 6
+    mha = MultiHeadAttention(embed_dim=E, num_heads=H, context_dim=Ck, value_context_dim=Cv)
+    p = random_params(mha, 8)
+    rng = np.random.default_rng(9)
+    x, k, v = (rng.standard_normal((B, n, d)) for n, d in ((L, E), (S, Ck), (S, Cv)))
+    mask = rng.standard_normal((L, S))
+    dy = rng.standard_normal((B, L, E))
+    ref = torch.nn.MultiheadAttention(E, H, batch_first=True, kdim=Ck, vdim=Cv, dtype=torch.float64)
+    with torch.no_grad():
+        for ours, theirs in (("q", ref.q_proj_weight), ("k", ref.k_proj_weight)):
+            theirs.copy_(torch.tensor(p[f"{ours}_proj.weight"]))
+        ref.v_proj_weight.copy_(torch.tensor(p["v_proj.weight"]))
+        ref.in_proj_bias.copy_(
+            torch.tensor(np.concatenate([p["q_proj.bias"], p["k_proj.bias"], p["v_proj.bias"]]))
+        )
+        ref.out_proj.weight.copy_(torch.tensor(p["o_proj.weight"]))
+        ref.out_proj.bias.copy_(torch.tensor(p["o_proj.bias"]))
+    xt, kt, vt, mt = t64(x), t64(k), t64(v), t64(mask)
+    out_t, w_t = ref(xt, kt, vt, attn_mask=mt, need_weights=True, average_attn_weights=average)
+    out_t.backward(torch.tensor(dy))
+    out, w = mha(p, x, k, value=v, attn_mask=mask, need_weights=True, average_attn_weights=average)
+    np.testing.assert_allclose(out, out_t.detach().numpy(), **TOL)
+    np.testing.assert_allclose(w, w_t.detach().numpy(), **TOL)
+    _, pullback = mha.vjp(p, x, k, value=v, attn_mask=mask)
+    g = pullback(dy)
+    np.testing.assert_allclose(g.x, xt.grad.numpy(), **TOL)
+    np.testing.assert_allclose(g.context, kt.grad.numpy(), **TOL)
+    np.testing.assert_allclose(g.value, vt.grad.numpy(), **TOL)
+    np.testing.assert_allclose(g.attn_mask, mt.grad.numpy(), **TOL)
+    np.testing.assert_allclose(g.params["v_proj.weight"], ref.v_proj_weight.grad.numpy(), **TOL)
+
+
+def test_packed_cross_attention_loaded_from_a_torch_state_dict_equals_torch():
+    """torch.nn.MultiheadAttention(E, H) called as cross-attention splits in_proj_weight's
+    rows over query, key and value; its state dict loads through rename= as float64."""
+    E, H, B, L, S = 12, 4, 2, 3, 5
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64)
+    mha = MultiHeadAttention(embed_dim=E, num_heads=H, packed_qkv=True)
+    p = mha.load(ref.state_dict(), rename=TORCH_NAMES)
+    assert p["qkv_proj.weight"].dtype == np.float64
+    rng = np.random.default_rng(10)
+    x, k, v = (rng.standard_normal((B, n, E)) for n in (L, S, S))
+    dy = rng.standard_normal((B, L, E))
+    xt, kt, vt = t64(x), t64(k), t64(v)
+    out_t, _ = ref(xt, kt, vt, need_weights=False)
+    out_t.backward(torch.tensor(dy))
+    out, pullback = mha.vjp(p, x, k, value=v)
+    g = pullback(dy)
+    np.testing.assert_allclose(out, out_t.detach().numpy(), **TOL)
+    for ours, theirs in ((g.x, xt), (g.context, kt), (g.value, vt)):
+        np.testing.assert_allclose(ours, theirs.grad.numpy(), **TOL)
+    np.testing.assert_allclose(g.params["qkv_proj.weight"], ref.in_proj_weight.grad.numpy(), **TOL)
+    np.testing.assert_allclose(g.params["qkv_proj.bias"], ref.in_proj_bias.grad.numpy(), **TOL)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 3])
+def test_gpt_oss_attention_with_sinks_equals_transformers_eager_attention(sliding_window):
+    """The attention core is transformers' own gpt-oss ``eager_attention_forward`` (sinks
+    concatenated as an extra logit column); projections, GQA and rotate_half RoPE around it
+    as in ``GptOssAttention``; forward and autograd gradients, the sinks' included."""
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    E, Hq, Hkv, D, B, L = 16, 4, 2, 4, 2, 6
+    mha = MultiHeadAttention(
+        embed_dim=E,
+        num_heads=Hq,
+        num_kv_heads=Hkv,
+        head_dim=D,
+        sinks=True,
+        rope="half",
+        rope_theta=150000.0,
+        causal=True,
+        window=None if sliding_window is None else (sliding_window - 1, 0),
+    )
+    p = random_params(mha, 11)
+    rng = np.random.default_rng(12)
+    x, dy = rng.standard_normal((B, L, E)), rng.standard_normal((B, L, E))
+    w = {k: t64(v) for k, v in p.items()}
+    xt = t64(x)
+
+    class Module(torch.nn.Module):
+        num_key_value_groups = Hq // Hkv
+
+        def __init__(self):
+            super().__init__()
+            self.sinks = w["sinks"]
+
+    def proj(name, n):
+        y = xt @ w[f"{name}.weight"].T + w[f"{name}.bias"]
+        return y.view(B, L, n, D).transpose(1, 2)
+
+    q, k, v = proj("q_proj", Hq), proj("k_proj", Hkv), proj("v_proj", Hkv)
+    inv = 1.0 / 150000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ang = torch.arange(L, dtype=torch.float64)[:, None] * inv[None, :]
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+
+    def rotate_half(t):
+        return torch.cat((-t[..., D // 2 :], t[..., : D // 2]), dim=-1)
+
+    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    allowed = j <= i
+    if sliding_window is not None:
+        allowed = allowed & (j > i - sliding_window)
+    mask = torch.where(allowed, 0.0, float("-inf")).to(torch.float64)[None, None]
+    o, _ = gpt_oss.eager_attention_forward(Module(), q, k, v, mask, scaling=D**-0.5)
+    out_t = o.reshape(B, L, Hq * D) @ w["o_proj.weight"].T + w["o_proj.bias"]
+    out_t.backward(torch.tensor(dy))
+
+    out, pullback = mha.vjp(p, x)
+    g = pullback(dy)
+    np.testing.assert_allclose(out, out_t.detach().numpy(), **TOL)
+    np.testing.assert_allclose(g.x, xt.grad.numpy(), **TOL)
+    for name in w:
+        np.testing.assert_allclose(g.params[name], w[name].grad.numpy(), **TOL, err_msg=name)
