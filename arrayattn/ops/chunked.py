@@ -272,9 +272,7 @@ def backward(
         dq_acc = None
         # A block of a larger call (partial_keys) does not see whole rows: no totals.
         row_total = (
-            None
-            if spec.partial_keys
-            else _row_totals(spec, q_blk, kg, mask_g, lse_blk, r0, r1, bk)
+            None if spec.partial_keys else _row_totals(spec, q_blk, kg, mask_g, lse_blk, r0, r1, bk)
         )
         for j, c0, c1, inside in _key_blocks(spec, r0, r1, bk):
             rows, cols = _composed.index_block(spec, r0, r1, c0, c1)
