@@ -33,8 +33,7 @@ def register_vjp(op: Callable[..., Any]) -> Callable[[Rule], Rule]:
 def differentiable_ops() -> tuple[Callable[..., Any], ...]:
     """The public ops that :func:`vjp` can differentiate.
 
-    Example::
-
+    Examples:
         >>> import arrayattn as aa
         >>> aa.scaled_dot_product_attention in aa.differentiable_ops()
         True
@@ -52,8 +51,7 @@ def vjp(fn: Callable[..., Any], *arrays: Any, **options: Any) -> tuple[Any, Pull
     ``(d_out, d_lse)`` for ``scaled_dot_product_attention(..., return_lse=True)``, where
     ``None`` entries mean zero.
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> q = k = v = np.ones((1, 2, 4, 8), dtype=np.float32)

@@ -79,8 +79,7 @@ class MultiHeadAttention:
     Shapes: ``x`` ``(..., L, embed_dim)``, ``context`` ``(..., S, context_dim)`` -> output
     ``(..., L, embed_dim)``; with a cache, ``x`` is ``(B, L, embed_dim)``.
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> from arrayattn.nn import MultiHeadAttention
         >>> mha = MultiHeadAttention(embed_dim=32, num_heads=4, num_kv_heads=2,

@@ -41,8 +41,7 @@ def embedding(ids: Array, weight: Array) -> Array:
     Shapes: ``ids`` integer ``(...)``, ``weight`` ``(num_embeddings, dim)`` ->
     ``(..., dim)`` in ``weight``'s dtype. Ids must lie in ``[0, num_embeddings)``.
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> aa.nn.embedding(np.array([[2, 0]]), np.eye(3)).tolist()

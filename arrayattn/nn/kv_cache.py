@@ -25,8 +25,7 @@ class KVCache:
     with ``cache=`` appends the new tokens' keys and values (after qk-norm and RoPE) and
     attends over everything cached so far.
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> from arrayattn.nn import KVCache
         >>> cache = KVCache.allocate(1, 2, 16, 8, xp=np)

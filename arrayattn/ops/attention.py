@@ -83,8 +83,7 @@ def implementations() -> tuple[str, ...]:
     """Names accepted by ``implementation=``: ``"auto"`` and every registered path
     (``"fused"`` is among them when CuPy is installed).
 
-    Example::
-
+    Examples:
         >>> import arrayattn as aa
         >>> {"auto", "composed", "chunked"} <= set(aa.implementations())
         True
@@ -180,8 +179,7 @@ def scaled_dot_product_attention(
 
     Rows with no key left return 0 (and LSE ``-inf``), never NaN.
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> rng = np.random.default_rng(0)
@@ -309,8 +307,7 @@ def attention_weights(
     whole ``L x S`` matrix, so use it for inspection, not for long sequences.
     ``q_lengths``/``kv_lengths`` as in :func:`scaled_dot_product_attention`.
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> q = np.ones((1, 1, 3, 4)); k = np.ones((1, 1, 5, 4))
@@ -442,8 +439,7 @@ def dropout_mask(
     """The boolean keep-mask ``(..., Hq, L, S)`` that attention with these shapes,
     ``dropout_p`` and ``seed`` applies (``True`` = kept). Identical on every backend.
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> q = np.zeros((1, 2, 4, 8), dtype=np.float32)

@@ -48,8 +48,7 @@ def rope_frequencies(
     complex dtype picks its real counterpart. ``xp``/``device`` say where to build the
     array when ``positions`` is an int (default NumPy, CPU); otherwise they follow it.
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> f = aa.rope_frequencies(8, 5, xp=np)
@@ -169,8 +168,7 @@ def apply_rope(x: Array, freqs: Array, *, layout: str = "interleaved") -> Array:
     ``layout="interleaved"`` pairs features ``(2j, 2j+1)`` (Meta LLaMA);
     ``layout="half"`` pairs ``(j, j + F)`` (Hugging Face ``rotate_half``).
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> x = np.ones((2, 4, 6, 8), dtype=np.float32)       # (B, H, L, D)

@@ -212,8 +212,7 @@ def varlen_attention(
     which also validates the offsets; pass them under ``jax.jit``). Values smaller than a
     real length truncate that sequence silently.
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> rng = np.random.default_rng(0)

@@ -1,14 +1,15 @@
-"""Griffe extension: render the package's reStructuredText-isms in Markdown.
+"""Griffe extension: render the package's Sphinx roles in Markdown.
 
-The docstrings are written to read well in ``help()``: Sphinx roles (:func:`vjp`) and
-``Example::`` literal blocks. mkdocstrings parses them as Google-style Markdown, where the
-roles would show as raw text, so this extension rewrites them when the API pages are
-built (the source files are not touched):
+The docstrings are written to read well in ``help()`` and use Sphinx roles (:func:`vjp`).
+mkdocstrings parses them as Google-style Markdown, where the roles would show as raw text,
+so this extension rewrites them when the API pages are built (the source files are not
+touched): ``:func:`name```, ``:meth:``, ``:class:``, ... -> ```name``` (a leading ``~``
+keeps the last dotted part, as Sphinx does).
 
-* ``:func:`name```, ``:meth:``, ``:class:``, ... -> ```name``` (a leading ``~`` keeps the
-  last dotted part, as Sphinx does);
-* ``Example::`` / ``Examples::`` -> ``Example:`` so the Google parser makes it an examples
-  section (rendered as a doctest code block).
+Examples are written in the source as Google ``Examples:`` sections, which the parser
+renders as highlighted ``>>>`` code; nothing here rewrites them (``Example::`` and
+``Example:`` would render as text: ``.ci/docstring_examples.py`` converts them and
+``tests/docs`` fails while any is left).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from typing import Any
 import griffe
 
 _ROLE = re.compile(r":(?:func|meth|class|mod|attr|data|obj|exc):`~?([^`]+)`")
-_EXAMPLE = re.compile(r"^(\s*)(Examples?)::\s*$", re.MULTILINE)
 
 
 def _role(m: re.Match) -> str:
@@ -30,10 +30,9 @@ def _role(m: re.Match) -> str:
 
 
 class RstToMarkdown(griffe.Extension):
-    """Rewrite Sphinx roles and ``Example::`` blocks in every docstring."""
+    """Rewrite Sphinx roles in every docstring."""
 
     def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
         if obj.docstring is None:
             return
-        text = _ROLE.sub(_role, obj.docstring.value)
-        obj.docstring.value = _EXAMPLE.sub(r"\1\2:", text)
+        obj.docstring.value = _ROLE.sub(_role, obj.docstring.value)
