@@ -144,7 +144,11 @@ def scaled_dot_product_attention(
     float32 (float64 for float64 inputs).
 
     Args:
-        query, key, value: real floating arrays of one dtype, library and device.
+        query: ``(..., Hq, L, E)``, real floating; ``key`` and ``value`` have its dtype,
+            library and device.
+        key: ``(..., Hkv, S, E)``; ``Hq`` a multiple of ``Hkv`` with ``enable_gqa=True``,
+            else equal to it.
+        value: ``(..., Hkv, S, Ev)``.
         attn_mask: bool (``True`` = takes part) or float (added to the scores),
             broadcastable to ``(..., Hq, L, S)``. Combined with ``is_causal`` by AND.
         dropout_p: probability in ``[0, 1)`` of dropping an attention probability; the
@@ -168,14 +172,17 @@ def scaled_dot_product_attention(
             the call), then ``"chunked"`` when the composed path's score matrix,
             ``batch * Hq * L * S * 4`` bytes (8 for float64), would exceed
             ``arrayattn.ops.chunked.AUTO_CHUNK_BYTES`` (256 MiB), else ``"composed"``.
-        q_lengths, kv_lengths: optional integer arrays of the broadcast batch shape
-            (``(B,)`` for 4-D inputs; ``()`` for 3-D), same library and device: the
-            number of valid queries / keys of each sequence (padding at the end; values
-            are clipped to ``[0, L]`` / ``[0, S]``). Keys ``j >= kv_lengths[b]`` are
-            masked; query rows ``i >= q_lengths[b]`` are empty (output 0, LSE ``-inf``,
-            zero gradients). With ``causal_align="bottom_right"`` each sequence's
-            diagonal is offset by ``kv_lengths[b] - q_lengths[b]`` (FlashAttention's
-            varlen semantics); ``"top_left"`` keeps offset 0. No dense mask is built.
+        q_lengths: optional integer array of the broadcast batch shape (``(B,)`` for
+            4-D inputs; ``()`` for 3-D), same library and device: the number of valid
+            queries of each sequence (padding at the end; clipped to ``[0, L]``). Query
+            rows ``i >= q_lengths[b]`` are empty (output 0, LSE ``-inf``, zero
+            gradients). ``None``: all ``L`` rows are valid.
+        kv_lengths: optional integer array like ``q_lengths``: the number of valid keys
+            of each sequence (clipped to ``[0, S]``); keys ``j >= kv_lengths[b]`` are
+            masked. ``None``: all ``S`` keys are valid. With
+            ``causal_align="bottom_right"`` each sequence's diagonal is offset by
+            ``kv_lengths[b] - q_lengths[b]`` (FlashAttention's varlen semantics);
+            ``"top_left"`` keeps offset 0. No dense mask is built.
 
     Rows with no key left return 0 (and LSE ``-inf``), never NaN.
 
