@@ -2,10 +2,10 @@
 
 The API pages are built by mkdocstrings with the Google docstring parser. It renders an
 ``Examples:`` section's ``>>>`` lines as highlighted code, but takes ``Example:`` for an
-admonition and ``Example::`` for plain text, which shows as nested blockquotes holding one
-run-on paragraph. This script makes the rewrite mechanical, so docstrings that arrive with
-the old form are fixed the same way (``tests/docs/test_docstring_examples.py`` fails while
-any is left):
+admonition and ``Example::`` for plain text: both show their ``>>>`` lines as nested
+blockquotes holding one run-on paragraph. This script makes the rewrite mechanical, so
+docstrings that arrive with the old form are fixed the same way
+(``tests/docs/test_docstring_examples.py`` fails while any is left):
 
     Example::                  Examples:
                         ->         >>> import numpy as np
@@ -24,13 +24,15 @@ import re
 import sys
 from pathlib import Path
 
-# The heading (any indent), the blank line(s) after it, then the indented block.
+# The heading (any indent: ``Example::``, ``Examples::`` or the admonition ``Example:``),
+# the blank line(s) after it, then the indented block.
 _BLOCK = re.compile(
-    r"^(?P<indent>[ \t]*)(?:Example|Examples)::[ \t]*\n(?:[ \t]*\n)+"
+    r"^(?P<indent>[ \t]*)(?:Examples?::|Example:)[ \t]*\n(?:[ \t]*\n)*"
     r"(?P<body>(?:(?P=indent)[ \t]+\S.*\n|[ \t]*\n)+)",
     re.MULTILINE,
 )
-OLD = re.compile(r"^\s*Examples?::\s*$", re.MULTILINE)
+# Headings that do not render as code: ``Example::``, ``Examples::``, ``Example:``.
+OLD = re.compile(r"^[ \t]*(?:Examples?::|Example:)[ \t]*$", re.MULTILINE)
 
 
 def _rewrite(m: re.Match) -> str:

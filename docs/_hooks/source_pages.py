@@ -69,8 +69,8 @@ def on_files(files, config):
 
 def on_page_context(context, page, config, nav):
     """Point the page's "view source" button at its Markdown source page."""
-    if page.file.src_uri.startswith(f"{PREFIX}/"):
-        page.edit_url = None
+    if page.file.generated_by or page.file.src_uri.startswith(f"{PREFIX}/"):
+        page.edit_url = None  # generated pages have no Markdown of their own
         return context
     target = f"{PREFIX}/docs/{page.file.src_uri}.html"
     page.edit_url = posixpath.relpath(target, posixpath.dirname(page.file.dest_uri) or ".")
