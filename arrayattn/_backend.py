@@ -29,6 +29,7 @@ __all__ = [
     "library_name",
     "is_numpy",
     "is_cupy",
+    "is_lazy",
     "compute_dtype",
     "lse_dtype",
     "is_real_floating",
@@ -62,6 +63,13 @@ def is_numpy(xp: Namespace) -> bool:
 def is_cupy(xp: Namespace) -> bool:
     """True when ``xp`` is CuPy (plain or array-api-compat's wrapper)."""
     return bool(array_api_compat.is_cupy_namespace(xp))
+
+
+def is_lazy(xp: Namespace) -> bool:
+    """True for libraries whose arrays may be traced or deferred (JAX, Dask): there no
+    Python decision may be taken on array values (``bool(x)`` fails under ``jax.jit`` and
+    computes a Dask graph)."""
+    return bool(array_api_compat.is_jax_namespace(xp) or array_api_compat.is_dask_namespace(xp))
 
 
 def device_of(x: Array) -> Any:

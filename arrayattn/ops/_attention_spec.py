@@ -83,6 +83,18 @@ class AttentionSpec:
         return self.q_lengths is not None or self.kv_lengths is not None
 
     @property
+    def may_mask(self) -> bool:
+        """True when some (query, key) pair may be excluded (a mask, lengths, or a
+        causal/window structure that cuts): then excluded keys and values may hold
+        garbage (NaN, Inf) that the paths must keep out of every result. Decided from
+        the arguments alone, never from data."""
+        return (
+            self.mask_kind is not None
+            or self.has_lengths
+            or not self.structure.excludes_nothing(self.L, self.S)
+        )
+
+    @property
     def offset_bounds(self) -> tuple[int, int] | None:
         """Bounds ``(lo, hi)`` of the per-sequence diagonal offsets (their values are data,
         so blocked paths skip only key blocks no possible offset reaches), or ``None``."""
@@ -370,7 +382,12 @@ def _lengths_g(
             f"(one length per sequence), got shape {shape}"
         )
     dev = device_of(lengths)
-    x = xp.astype(lengths, xp.int32)
-    x = xp.maximum(x, xp.asarray(0, dtype=xp.int32, device=dev))
-    x = xp.minimum(x, xp.asarray(size, dtype=xp.int32, device=dev))
+    # Clip in the lengths' own dtype, then cast: a cast first wraps 2**32 + 2 to 2.
+    dt = lengths.dtype
+    x = lengths
+    if xp.isdtype(dt, "signed integer"):
+        x = xp.maximum(x, xp.asarray(0, dtype=dt, device=dev))
+    if size <= int(xp.iinfo(dt).max):  # else no value of dt can exceed size
+        x = xp.minimum(x, xp.asarray(size, dtype=dt, device=dev))
+    x = xp.astype(x, xp.int32)
     return xp.reshape(x, lead + (1, 1, 1, 1))

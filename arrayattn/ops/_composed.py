@@ -14,6 +14,13 @@ from .masks import structural_allowed
 
 __all__ = ["forward", "backward", "masked_scores", "dropout_mask"]
 
+RENORMALISE_LSE_ERROR = 1e-4
+"""Backward passes renormalise ``exp(S - LSE)`` on rows whose ``|LSE| * eps`` exceeds this:
+there rounding swallowed ``log(rowsum)`` in the saved LSE (huge scores, or Hugging Face's
+``finfo.min`` bias rows), so ``exp(S - LSE)`` no longer sums to 1. Every path uses this
+rule (the composed path, having whole rows, renormalises every row: a no-op up to
+rounding on the others)."""
+
 
 def index_block(
     spec: AttentionSpec, row_start: int, row_stop: int, col_start: int, col_stop: int
@@ -76,12 +83,54 @@ def scores_block(
     if spec.softcap is not None:
         tanh = xp.tanh(s / spec.softcap)
         s = tanh * spec.softcap
-    if spec.mask_kind == "float":
-        s = s + xp.astype(mask_g, spec.cdtype)
     allowed = allowed_block(spec, mask_g, rows, cols, check_structure)
+    if spec.mask_kind == "float":
+        bias = xp.astype(mask_g, spec.cdtype)
+        s = s + bias
+        # A -inf bias removes the key even when its score is garbage (NaN + -inf = NaN).
+        kept = bias != full_scalar(xp, -float("inf"), spec.cdtype, spec.device)
+        allowed = kept if allowed is None else xp.logical_and(allowed, kept)
     if allowed is not None:
         s = xp.where(allowed, s, full_scalar(xp, -float("inf"), spec.cdtype, spec.device))
+        if tanh is not None:  # tanh of a garbage score must not reach the chain rule
+            tanh = xp.where(allowed, tanh, full_scalar(xp, 0.0, spec.cdtype, spec.device))
     return s, tanh
+
+
+def finite_or_zero(spec: AttentionSpec, x: Array) -> Array:
+    """``x`` with NaN/Inf entries replaced by 0 when the call may exclude keys or rows
+    (``spec.may_mask``): the matmul operand wherever a zero weight (an excluded pair) meets
+    an array that may hold garbage there, since ``0 * NaN`` is NaN. Entries that take
+    part are dealt with by :func:`value_operands` / the NaN rows of the scores."""
+    if not spec.may_mask:
+        return x
+    xp = spec.xp
+    return xp.where(xp.isfinite(x), x, full_scalar(xp, 0.0, x.dtype, spec.device))
+
+
+def value_operands(spec: AttentionSpec, vg: Array) -> tuple[Array, Array | None]:
+    """The values for ``P @ V``: ``vg`` with non-finite entries zeroed, and a
+    ``(..., S, 1)`` float indicator of the value rows that held any, or ``(vg, None)``
+    when nothing can be excluded. ``P @ bad`` is then non-zero exactly on the rows that
+    give a non-zero weight to such a row: :func:`poison_rows` makes those NaN, so garbage
+    in excluded rows never reaches the output and garbage that takes part still shows."""
+    if not spec.may_mask:
+        return vg, None
+    xp = spec.xp
+    finite = xp.isfinite(vg)
+    clean = xp.where(finite, vg, full_scalar(xp, 0.0, vg.dtype, spec.device))
+    bad = xp.astype(xp.logical_not(xp.all(finite, axis=-1, keepdims=True)), spec.cdtype)
+    return clean, bad
+
+
+def poison_rows(spec: AttentionSpec, out: Array, touched: Array | None) -> Array:
+    """``out`` with NaN on the rows whose ``touched`` (``P @ bad``, trailing axis 1) is
+    non-zero: rows that attend to a non-finite value."""
+    if touched is None:
+        return out
+    xp = spec.xp
+    nan = full_scalar(xp, float("nan"), out.dtype, spec.device)
+    return xp.where(touched != full_scalar(xp, 0.0, touched.dtype, spec.device), nan, out)
 
 
 def dropout_block(spec: AttentionSpec, rows: Array, cols: Array) -> Array:
@@ -118,23 +167,30 @@ def softmax_with_lse(spec: AttentionSpec, s: Array) -> tuple[Array, Array]:
     one = full_scalar(xp, 1.0, spec.cdtype, spec.device)
     if s.shape[-1] == 0:  # no keys at all (S = 0): every row is empty; max has no identity
         return s, xp.full(tuple(s.shape[:-1]), -float("inf"), dtype=spec.cdtype, device=spec.device)
-    m = xp.max(s, axis=-1, keepdims=True)
+    m = xp.max(s, axis=-1, keepdims=True)  # NaN when a score is NaN (max propagates it)
     m = xp.where(xp.isfinite(m), m, zero)  # empty rows: exp(-inf - 0) = 0
     e = xp.exp(s - m)
     total = xp.sum(e, axis=-1, keepdims=True)
-    nonempty = total > 0
-    total_safe = xp.where(nonempty, total, one)
+    # Empty means a total of exactly 0; a NaN total (a NaN score) keeps LSE NaN, not -inf.
+    empty = total == zero
+    total_safe = xp.where(empty, one, total)
     p = e / total_safe
-    lse = xp.where(nonempty, m + xp.log(total_safe), neg_inf)
+    lse = xp.where(empty, neg_inf, m + xp.log(total_safe))
     return p, lse[..., 0]
 
 
 def probabilities_from_lse(spec: AttentionSpec, s: Array, lse: Array) -> Array:
-    """``P = exp(S - LSE)`` with empty rows (LSE ``-inf``) giving zeros, not NaN.
+    """``P = exp(S - LSE)`` with empty rows (LSE ``-inf``) giving zeros, not NaN, rows
+    with a NaN/+inf LSE (non-finite scores) giving NaN where they take part, and
+    excluded pairs (score ``-inf``) giving exactly 0 on every row.
     ``lse`` has a trailing axis of 1 that broadcasts over keys."""
     xp = spec.xp
     zero = full_scalar(xp, 0.0, spec.cdtype, spec.device)
-    return xp.exp(s - xp.where(xp.isfinite(lse), lse, zero))
+    neg_inf = full_scalar(xp, -float("inf"), spec.cdtype, spec.device)
+    p = xp.exp(s - xp.where(lse == neg_inf, zero, lse))
+    if spec.may_mask:  # exp(-inf - NaN) is NaN: excluded pairs stay 0 on NaN rows too
+        p = xp.where(s == neg_inf, zero, p)
+    return p
 
 
 def _group_lse(spec: AttentionSpec, x: Array) -> Array:
@@ -170,9 +226,22 @@ def forward(
     p, lse = softmax_with_lse(spec, s)
     if spec.dropout_p > 0:
         p = apply_dropout(spec, p, rows, cols)
-    out = xp.matmul(p, vg)
+    vc, bad = value_operands(spec, vg)
+    out = xp.matmul(p, vc)
+    out = poison_rows(spec, out, None if bad is None else xp.matmul(p, bad))
     out = spec.ungroup_out(xp.astype(out, spec.dtype))
-    return out, xp.reshape(lse, spec.lse_shape)
+    return out, reshape_lse(spec, lse)
+
+
+def reshape_lse(spec: AttentionSpec, lse: Array) -> Array:
+    """Grouped ``(..., G, L)`` LSE -> the user's ``(..., Hq, L)``. The LSE does not depend
+    on the values, so when only ``value`` carries batch or head dims it is broadcast to
+    them first."""
+    xp = spec.xp
+    full = spec.lead + (spec.Hq // spec.G, spec.G, spec.L)
+    if tuple(lse.shape) != full:
+        lse = xp.broadcast_to(lse, full)
+    return xp.reshape(lse, spec.lse_shape)
 
 
 def backward(
@@ -207,10 +276,12 @@ def backward(
 
     grouped_rows = spec.lead + (spec.Hq // spec.G, spec.G, spec.L)
     do_g, delta, dl = backward_rows(spec, out, d_out, d_lse)
-    ds, dv_g = backward_block(spec, p, vg, do_g, delta, dl, rows, cols)
+    vc, _ = value_operands(spec, vg)
+    ds, dv_g = backward_block(spec, p, vc, do_g, delta, dl, rows, cols)
     if ds is None:
         ds = xp.zeros(grouped_rows + (spec.S,), dtype=cd, device=spec.device)
-    dq, dk, d_mask = scores_pullback(spec, qg, kg, ds, tanh, attn_mask)
+    qc, kc = finite_or_zero(spec, qg), finite_or_zero(spec, kg)
+    dq, dk, d_mask = scores_pullback(spec, qc, kc, ds, tanh, attn_mask)
     if dv_g is None:
         dv = xp.zeros(spec.v_shape, dtype=spec.dtype, device=spec.device)
     else:
@@ -249,8 +320,9 @@ def backward_block(
     """Gradient of the final masked scores ``dS = P * (dP - D) + P * dLSE`` for one block
     and the block's grouped value gradient ``P_dropped^T dO``, from the probabilities
     ``p = exp(S - LSE)`` of the block (grouped layout, compute dtype). ``do_g``/``delta``/
-    ``dl`` are the block's rows from :func:`backward_rows`; ``vg`` the block's values.
-    Either result is ``None`` when no cotangent feeds it."""
+    ``dl`` are the block's rows from :func:`backward_rows`; ``vg`` the block's values
+    (from :func:`value_operands`). Either result is ``None`` when no cotangent feeds it.
+    Pairs with ``p == 0`` (excluded) get ``dS = 0`` even where ``dP - D`` is NaN."""
     xp = spec.xp
     ds = None
     dv_g = None
@@ -269,6 +341,9 @@ def backward_block(
         ds = p * (dp - delta)
     if dl is not None:
         ds = p * dl if ds is None else ds + p * dl
+    if ds is not None and spec.may_mask:
+        zero = full_scalar(xp, 0.0, spec.cdtype, spec.device)
+        ds = xp.where(p == zero, zero, ds)
     return ds, dv_g
 
 

@@ -137,14 +137,30 @@ _POOL_LOCK = threading.Lock()
 
 
 def _pool(n: int) -> ThreadPoolExecutor:
+    """A pool with at least ``n`` worker threads.
+
+    A pool is never shut down here: another thread may be submitting to it right now (a
+    run-time change of ``ARRAYATTN_NUM_THREADS`` used to shut it under that thread's
+    feet). A pool that has to grow is replaced and the old one is dropped; its idle
+    threads exit once the last caller holding it lets go (the executor is collected).
+    A pool larger than ``n`` is kept: callers submit only ``n`` workers to it."""
     global _POOL, _POOL_SIZE
     with _POOL_LOCK:
-        if _POOL is None or _POOL_SIZE != n:
-            if _POOL is not None:
-                _POOL.shutdown(wait=False)
+        if _POOL is None or _POOL_SIZE < n:
             _POOL = ThreadPoolExecutor(max_workers=n, thread_name_prefix="arrayattn-fast")
             _POOL_SIZE = n
         return _POOL
+
+
+def _after_fork_in_child() -> None:
+    """A child made by ``fork`` inherits the pool object but none of its threads (and
+    possibly a lock some parent thread held): work submitted there would wait forever.
+    Forget both; the child builds its own pool on first use."""
+    global _POOL, _POOL_SIZE, _POOL_LOCK
+    _POOL = None
+    _POOL_SIZE = 0
+    _POOL_LOCK = threading.Lock()
+    _BLAS_ONE_THREAD.reset_after_fork()
 
 
 class _SingleThreadedBlas:
@@ -159,6 +175,12 @@ class _SingleThreadedBlas:
         self._limiter: Any = None
         self._controller: Any = None
         self._ready = False
+
+    def reset_after_fork(self) -> None:
+        """In a forked child no fast-path call is running: a fresh lock, no limit held."""
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._limiter = None
 
     def _get_controller(self) -> Any:
         if not self._ready:
@@ -188,6 +210,9 @@ class _SingleThreadedBlas:
 
 _BLAS_ONE_THREAD = _SingleThreadedBlas()
 
+if hasattr(os, "register_at_fork"):  # POSIX; spawn and forkserver children start fresh
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 def _run_units(
     units: Sequence[Any],
@@ -197,7 +222,8 @@ def _run_units(
 ) -> None:
     """Run ``work(state, unit)`` for every unit, on the pool unless ``serial``; each worker
     thread builds its own ``state`` (its buffers) once and takes units in order."""
-    n = num_threads()
+    n_env = num_threads()
+    n = n_env
     if serial or n == 1 or len(units) <= 1:
         state = make_state()
         for u in units:
@@ -218,7 +244,9 @@ def _run_units(
                 work(state, units[i])
 
     with _BLAS_ONE_THREAD:
-        futures = [_pool(num_threads()).submit(worker) for _ in range(n)]
+        # One pool for the whole call, read once: the environment may change meanwhile.
+        pool = _pool(n_env)
+        futures = [pool.submit(worker) for _ in range(n)]
         for f in futures:
             f.result()
 
@@ -235,9 +263,10 @@ class _Layout:
         self.cd = cd
         nd = len(spec.lead) + 3
         self.lead_index = list(np.ndindex(*spec.lead)) if spec.lead else [()]
-        self.q = self._view(query, spec.q_shape, nd, (spec.Hq, spec.L, spec.E), cd)
-        self.k = self._view(key, spec.k_shape, nd, (spec.Hkv, spec.S, spec.E), cd)
-        self.v = self._view(value, spec.v_shape, nd, (spec.Hkv, spec.S, spec.Ev), cd)
+        self._raw: dict[str, np.ndarray] = {}
+        self.q = self._view("q", query, spec.q_shape, nd, (spec.Hq, spec.L, spec.E), cd)
+        self.k = self._view("k", key, spec.k_shape, nd, (spec.Hkv, spec.S, spec.E), cd)
+        self.v = self._view("v", value, spec.v_shape, nd, (spec.Hkv, spec.S, spec.Ev), cd)
         self.mask = None
         if attn_mask is not None:
             m = np.asarray(attn_mask)
@@ -259,13 +288,48 @@ class _Layout:
             self.structs = [dataclasses.replace(st, offset=int(flat[i])) for i in range(nb)]
         self.limit = _STATIC_LIMIT[cd]
         self.tiny = _TINY_SUM[cd]
+        self._garbage_ready = False
 
-    def _view(self, x, shape, nd, tail, cd):
+    def _view(self, name, x, shape, nd, tail, cd):
         a = np.asarray(x)
         if a.dtype != cd:
             a = a.astype(cd)
         a = a.reshape((1,) * (nd - a.ndim) + a.shape)
+        self._raw[name] = a  # unbroadcast: data checks read each element once
         return np.broadcast_to(a, self.spec.lead + tail)
+
+    def prepare_garbage(self) -> None:
+        """Set up what keeps garbage (NaN/Inf) in excluded pairs out of every result
+        (SEMANTICS, "Garbage in masked positions"), checked on the data once per call:
+
+        - ``q_op``/``k_op``/``v_op``: the operands that meet excluded pairs' zero weights
+          in products (``P V``, ``dS K``, ``dS^T Q``, ``dO V^T``), with non-finite entries
+          zeroed; the inputs themselves when they are finite or nothing is excluded;
+        - ``v_bad``: ``(*lead, Hkv, S)`` indicator of value rows holding NaN/Inf (rows
+          that attend to one become NaN), or ``None``;
+        - ``qk_garbage``: a float mask's ``-inf`` must be re-applied after the addition
+          (garbage score + -inf is NaN)."""
+        if self._garbage_ready:
+            return
+        self._garbage_ready = True
+        spec = self.spec
+        self.q_op, self.k_op, self.v_op = self.q, self.k, self.v
+        self.v_bad = None
+        self.qk_garbage = False
+        if not spec.may_mask:
+            return
+        finite = {n: bool(np.isfinite(a).all()) for n, a in self._raw.items()}
+        lead = spec.lead
+        if not finite["q"]:
+            self.q_op = np.broadcast_to(_finite_or_zero(self._raw["q"]), self.q.shape)
+        if not finite["k"]:
+            self.k_op = np.broadcast_to(_finite_or_zero(self._raw["k"]), self.k.shape)
+        if not finite["v"]:
+            raw = self._raw["v"]
+            self.v_op = np.broadcast_to(_finite_or_zero(raw), self.v.shape)
+            bad = np.logical_not(np.isfinite(raw).all(axis=-1)).astype(self.cd)
+            self.v_bad = np.broadcast_to(bad, lead + (spec.Hkv, spec.S))
+        self.qk_garbage = spec.mask_kind == "float" and not (finite["q"] and finite["k"])
 
     def kv_head(self, h: int) -> int:
         spec = self.spec
@@ -275,6 +339,10 @@ class _Layout:
 
     def heads_of(self, hk: int) -> list[int]:
         return [h for h in range(self.spec.Hq) if self.kv_head(h) == hk]
+
+
+def _finite_or_zero(a: np.ndarray) -> np.ndarray:
+    return np.where(np.isfinite(a), a, a.dtype.type(0))
 
 
 def _per_batch(lengths: Any, nb: int, default: int) -> list[int]:
@@ -407,7 +475,9 @@ def forward(
 
     rows = min(FWD_ROWS, spec.L)
     width = max(1, min(spec.S, BLOCK_ELEMENTS // rows))
-    static_bound = _static_bounds(spec, lay)
+    lay.prepare_garbage()
+    # Non-finite values: the exact path, which tracks the rows that attend to them.
+    static_bound = None if lay.v_bad is not None else _static_bounds(spec, lay)
 
     units = []
     for bi in range(nb):
@@ -489,6 +559,8 @@ def _scores(spec, lay, st, structure, b, h, hk, r0, r1, c0, c1, q_t, s):
         m = lay.mask[b + (h, slice(r0, r1), slice(c0, c1))]
         if spec.mask_kind == "float":
             np.add(s, m, out=s)
+            if lay.qk_garbage:  # garbage score + (-inf) is NaN: -inf still excludes
+                np.copyto(s, -np.inf, where=np.isneginf(m))
         else:
             excluded = np.logical_not(m, out=st.bool[: r1 - r0, : c1 - c0])
             np.copyto(s, -np.inf, where=excluded)
@@ -517,6 +589,8 @@ def _forward_rows(spec, lay, st, bi, h, r0, r1, c_lo, c_hi, width, out_t, lse_t,
     dropout = spec.dropout_p > 0
     first = True
     structure = lay.structs[bi]
+    # P @ bad: non-zero on rows giving weight to a non-finite value row (made NaN).
+    touched = None if lay.v_bad is None else np.zeros((n,), lay.cd)
     for c0, c1 in _key_spans(structure, r0, r1, c_lo, c_hi, width):
         w = c1 - c0
         s = st.s[:n, :w]
@@ -531,6 +605,8 @@ def _forward_rows(spec, lay, st, bi, h, r0, r1, c_lo, c_hi, width, out_t, lse_t,
                 alpha = np.exp(m - shift)  # m = -inf gives 0: nothing accumulated yet
                 np.multiply(out_t, alpha[:, None], out=out_t)
                 np.multiply(l_sum, alpha, out=l_sum)
+                if touched is not None:
+                    np.multiply(touched, alpha, out=touched)
             m = m_new
             np.subtract(s, shift[:, None], out=s)
             np.exp(s, out=s)
@@ -543,7 +619,9 @@ def _forward_rows(spec, lay, st, bi, h, r0, r1, c_lo, c_hi, width, out_t, lse_t,
                 np, spec.seed, spec.dropout_p, np.int32(bi), np.int32(h), rows_i, cols_i
             )
             np.multiply(s, keep, out=s)
-        v_blk = lay.v[b + (hk, slice(c0, c1))]
+        v_blk = lay.v_op[b + (hk, slice(c0, c1))]
+        if touched is not None:
+            touched += s @ lay.v_bad[b + (hk, slice(c0, c1))]
         if first:
             np.matmul(s, v_blk, out=out_t)
         else:
@@ -564,6 +642,8 @@ def _forward_rows(spec, lay, st, bi, h, r0, r1, c_lo, c_hi, width, out_t, lse_t,
     if dropout:
         inv *= 1.0 / (1.0 - spec.dropout_p)
     np.multiply(out_t, inv[:, None], out=out_t)
+    if touched is not None:
+        out_t[touched != 0] = np.nan
     return True
 
 
@@ -619,7 +699,14 @@ def backward(
     rows_shape = lead + (spec.Hq, spec.L)
     lse_f = np.broadcast_to(np.asarray(lse, dtype=cd).reshape(spec.lse_shape), rows_shape)
     finite = np.isfinite(lse_f)
-    lse_safe = np.where(finite, lse_f, 0.0).astype(cd)
+    # Shift of exp(S - shift): 0 for empty rows (LSE -inf, every P 0); +inf stays (P 0
+    # but NaN where a score is +inf, as the composed path); a NaN LSE (NaN scores) shifts
+    # by -max so that every pair that takes part gives exp != 0, then made NaN
+    # (``nan_rows``), while excluded pairs stay exactly 0.
+    nan_rows = np.isnan(lse_f)
+    lse_safe = np.where(finite, lse_f, np.where(lse_f > 0, lse_f, 0.0))
+    lse_safe = np.where(nan_rows, -np.finfo(cd).max, lse_safe).astype(cd)
+    lay.prepare_garbage()
     limit = _BWD_STATIC_LIMIT[cd]
     with np.errstate(over="ignore"):
         a_static = np.where(finite, np.exp(-lse_safe), 0.0).astype(cd)
@@ -636,6 +723,9 @@ def backward(
         dl = np.broadcast_to(np.asarray(d_lse, dtype=cd).reshape(spec.lse_shape), rows_shape)
         delta = delta - dl
     delta = delta.astype(cd, copy=False)
+    # Rows where dP - D may be non-finite: their excluded pairs need dS = 0 explicitly
+    # (0 * NaN is NaN), as do the rows of a NaN LSE.
+    rows_bad = np.logical_or(nan_rows, np.logical_not(np.isfinite(delta)))
 
     inv_total = _row_totals(spec, lay, lse_f, finite)
     bound = None
@@ -646,26 +736,29 @@ def backward(
     Hkv = spec.Hkv
     n_key_blocks = -(-spec.S // BWD_KEYS)
     n_threads = num_threads()
+    # (batch, KV head) pairs whose float-mask gradients land on the same mask elements
+    # (the mask broadcasts over batch or heads) form one group, run in one unit in a
+    # fixed order: an accumulation order that followed thread timing made the mask
+    # gradient differ run to run. Each group owns its mask elements, so no lock either.
+    groups = _mask_groups(spec, lay, nb)
     chunks = 1
-    if n_threads > 1 and nb * Hkv < 2 * n_threads:
-        chunks = max(1, min(n_key_blocks, -(-2 * n_threads // (nb * Hkv))))
+    if n_threads > 1 and len(groups) < 2 * n_threads:
+        chunks = max(1, min(n_key_blocks, -(-2 * n_threads // len(groups))))
     dq_parts = np.zeros((chunks,) + lead + (spec.Hq, spec.L, spec.E), cd)
     dk_f = np.zeros(lead + (Hkv, spec.S, spec.E), cd)
     dv_f = np.zeros(lead + (Hkv, spec.S, spec.Ev), cd)
     d_mask_acc = None
-    mask_lock = threading.Lock()
     if spec.mask_kind == "float":
         d_mask_acc = np.zeros(lay.mask_padded_shape, cd)
 
     key_spans = _spans(0, spec.S, BWD_KEYS)
     per_chunk = -(-len(key_spans) // chunks)
     units = []
-    for bi in range(nb):
-        for hk in range(Hkv):
-            for c in range(chunks):
-                spans = key_spans[c * per_chunk : (c + 1) * per_chunk]
-                if spans:
-                    units.append((bi, hk, c, spans))
+    for members in groups:
+        for c in range(chunks):
+            spans = key_spans[c * per_chunk : (c + 1) * per_chunk]
+            if spans:
+                units.append((members, c, spans))
     serial = spec.Hq * nb * spec.L * spec.S < _SERIAL_WORK
     rows = min(BWD_ROWS, spec.L)
     keys = min(BWD_KEYS, spec.S)
@@ -675,6 +768,8 @@ def backward(
         inv_total=inv_total,
         a_static=a_static,
         delta=delta,
+        nan_rows=nan_rows if nan_rows.any() else None,
+        rows_bad=rows_bad if rows_bad.any() else None,
         do_f=do_f,
         bound=bound,
         limit=limit,
@@ -682,7 +777,6 @@ def backward(
         dk_f=dk_f,
         dv_f=dv_f,
         d_mask_acc=d_mask_acc,
-        mask_lock=mask_lock,
         rows=rows,
     )
 
@@ -766,8 +860,34 @@ def _reduce(spec, x, shape, dtype):
     return x.reshape(shape).astype(dtype, copy=False)
 
 
+def _mask_groups(spec, lay, nb: int) -> list[list[tuple[int, int]]]:
+    """``(batch index, KV head)`` pairs grouped by the float-mask elements their
+    gradients reach (one pair per group without a float mask), in a fixed order."""
+    pairs = [(bi, hk) for bi in range(nb) for hk in range(spec.Hkv)]
+    if spec.mask_kind != "float":
+        return [[p] for p in pairs]
+    shape = lay.mask_padded_shape
+    lead_shape = shape[:-3]
+    heads_shared = shape[-3] == 1
+
+    def owner(pair: tuple[int, int]) -> tuple[Any, ...]:
+        b = lay.lead_index[pair[0]]
+        mb = tuple(0 if d == 1 else i for i, d in zip(b, lead_shape, strict=True))
+        return mb + ((0,) if heads_shared else (pair[1],))
+
+    groups: dict[tuple[Any, ...], list[tuple[int, int]]] = {}
+    for p in pairs:
+        groups.setdefault(owner(p), []).append(p)
+    return list(groups.values())
+
+
 def _backward_unit(spec, ctx, st, unit):
-    bi, hk, chunk, spans = unit
+    members, chunk, spans = unit
+    for bi, hk in members:
+        _backward_pair(spec, ctx, st, bi, hk, chunk, spans)
+
+
+def _backward_pair(spec, ctx, st, bi, hk, chunk, spans):
     lay = ctx["lay"]
     b = lay.lead_index[bi]
     heads = lay.heads_of(hk)
@@ -811,7 +931,7 @@ def _backward_block(spec, ctx, st, structure, bi, b, h, hk, r0, r1, c0, c1, dq, 
     else:
         a = None if ctx["inv_total"] is None else ctx["inv_total"][row]
     k_blk = lay.k[b + (hk, slice(c0, c1))]
-    v_blk = lay.v[b + (hk, slice(c0, c1))]
+    v_blk = lay.v_op[b + (hk, slice(c0, c1))]
 
     # Scores (softcap keeps tanh in st.t for the chain rule).
     q_t = _scaled_query(spec, lay, b, h, r0, r1, st.q[:n])
@@ -829,12 +949,19 @@ def _backward_block(spec, ctx, st, structure, bi, b, h, hk, r0, r1, c0, c1, dq, 
             np.add(e, m, out=e)
         else:
             np.copyto(e, -np.inf, where=np.logical_not(m, out=st.bool[:n, :w]))
+        if lay.qk_garbage:  # garbage score + (-inf) is NaN: -inf still excludes
+            np.copyto(e, -np.inf, where=np.isneginf(m))
     blocked = _blocked_out(structure, r0, r1, c0, c1)
     if blocked is not None:
         np.copyto(e, -np.inf, where=blocked)
+    if spec.softcap is not None and (lay.k_op is not lay.k or lay.q_op is not lay.q):
+        np.copyto(st.t[:n, :w], 0.0, where=np.isneginf(e))  # tanh of a garbage score
     if not static:
         np.subtract(e, lse_r[:, None], out=e)
     np.exp(e, out=e)  # P (exact path) or exp(S) with P = diag(a) exp(S) (static path)
+    if ctx["nan_rows"] is not None:  # NaN LSE: NaN wherever the row takes part
+        for i in np.flatnonzero(ctx["nan_rows"][row]):
+            np.copyto(e[i], np.nan, where=e[i] != 0)
 
     keep = None
     inv_keep = 1.0
@@ -872,6 +999,8 @@ def _backward_block(spec, ctx, st, structure, bi, b, h, hk, r0, r1, c0, c1, dq, 
     else:
         np.negative(np.broadcast_to(delta[:, None], (n, w)), out=tmat)
     np.multiply(tmat, e, out=tmat)  # dS, up to the row factor a_i on the static path
+    if ctx["rows_bad"] is not None and ctx["rows_bad"][row].any():
+        np.copyto(tmat, 0.0, where=e == 0)  # excluded pairs: dS = 0, even if dP - D is NaN
 
     coef = (a * spec.scale) if a is not None else np.full((n,), spec.scale, cd)
     if ctx["d_mask_acc"] is not None:
@@ -883,17 +1012,18 @@ def _backward_block(spec, ctx, st, structure, bi, b, h, hk, r0, r1, c0, c1, dq, 
         np.subtract(1.0, t, out=t)
         np.multiply(tmat, t, out=tmat)
     # dQ rows += coef * (dS K);  dK += dS^T (coef * Q).
-    tq = np.matmul(tmat, k_blk, out=st.tmp_q[:n])
+    tq = np.matmul(tmat, lay.k_op[b + (hk, slice(c0, c1))], out=st.tmp_q[:n])
     np.multiply(tq, coef[:, None], out=tq)
     dq_rows = dq[row]
     np.add(dq_rows, tq, out=dq_rows)
-    qa = np.multiply(lay.q[row], coef[:, None], out=st.qa[:n])
+    qa = np.multiply(lay.q_op[row], coef[:, None], out=st.qa[:n])
     np.add(dk, np.matmul(tmat.T, qa, out=st.tmp_k[:w]), out=dk)
 
 
 def _add_mask_grad(spec, ctx, b, h, r0, r1, c0, c1, g):
     """Accumulate the gradient of a float mask block into the mask's own (broadcast)
-    shape; units of different heads may share those elements, hence the lock."""
+    shape. The units that share mask elements are one unit (``_mask_groups``), so this
+    runs without a lock and always in the same order."""
     acc = ctx["d_mask_acc"]
     nd = acc.ndim
     idx = []
@@ -910,9 +1040,8 @@ def _add_mask_grad(spec, ctx, b, h, r0, r1, c0, c1, g):
         idx.append(slice(0, 1))
     else:
         idx.append(slice(c0, c1))
-    with ctx["mask_lock"]:
-        view = acc[tuple(idx)]
-        np.add(view, g, out=view)
+    view = acc[tuple(idx)]
+    np.add(view, g, out=view)
 
 
 def _register() -> None:

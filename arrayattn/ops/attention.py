@@ -431,7 +431,9 @@ def _attention_weights_vjp(
         if rows_cols is not None:
             dw = _composed.apply_dropout(spec, dw, *rows_cols)
         ds = p * (dw - xp.sum(dw * p, axis=-1, keepdims=True))
-        return _composed.scores_pullback(spec, qg, kg, ds, tanh, attn_mask)
+        # Garbage in excluded keys (or empty query rows) must not meet ds's zeros.
+        qc, kc = _composed.finite_or_zero(spec, qg), _composed.finite_or_zero(spec, kg)
+        return _composed.scores_pullback(spec, qc, kc, ds, tanh, attn_mask)
 
     return out, pullback
 

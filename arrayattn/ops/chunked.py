@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 
-from .._backend import Array, full_scalar, sum_to_shape
+from .._backend import Array, full_scalar, is_lazy, sum_to_shape
 from . import _composed
 from ._attention_spec import AttentionSpec
 from .attention import register_implementation
@@ -152,6 +152,8 @@ def forward(
     cd = spec.cdtype
     dev = spec.device
     qg, kg, vg, mask_g = _composed._prepare(spec, query, key, value, attn_mask)
+    # Garbage in excluded value rows must not meet P's zeros (0 * NaN is NaN).
+    vc, bad = _composed.value_operands(spec, vg)
     neg_inf = full_scalar(xp, -math.inf, cd, dev)
     zero = full_scalar(xp, 0.0, cd, dev)
     one = full_scalar(xp, 1.0, cd, dev)
@@ -164,6 +166,7 @@ def forward(
         m = xp.full(rows_shape + (r1 - r0, 1), -math.inf, dtype=cd, device=dev)
         total = xp.zeros(rows_shape + (r1 - r0, 1), dtype=cd, device=dev)
         acc = xp.zeros(rows_shape + (r1 - r0, spec.Ev), dtype=cd, device=dev)
+        touched = None if bad is None else xp.zeros_like(total)
         for _, c0, c1, inside in _key_blocks(spec, r0, r1, bk):
             rows, cols = _composed.index_block(spec, r0, r1, c0, c1)
             s, _ = _composed.scores_block(
@@ -184,17 +187,20 @@ def forward(
             total = total * alpha + xp.sum(p, axis=-1, keepdims=True)
             if spec.dropout_p > 0:
                 p = _composed.apply_dropout(spec, p, rows, cols)
-            acc = acc * alpha + xp.matmul(p, vg[..., c0:c1, :])
+            acc = acc * alpha + xp.matmul(p, vc[..., c0:c1, :])
+            if touched is not None:  # rescaled like acc, so it matches the composed P @ bad
+                touched = touched * alpha + xp.matmul(p, bad[..., c0:c1, :])
             m = m_new
-        nonempty = total > 0
-        total_safe = xp.where(nonempty, total, one)
+        # Empty means a total of exactly 0; a NaN total (a NaN score) keeps LSE NaN.
+        empty = total == zero
+        total_safe = xp.where(empty, one, total)
         m_safe = xp.where(xp.isfinite(m), m, zero)
-        outs.append(acc / total_safe)
-        lses.append(xp.where(nonempty, m_safe + xp.log(total_safe), neg_inf))
+        outs.append(_composed.poison_rows(spec, acc / total_safe, touched))
+        lses.append(xp.where(empty, neg_inf, m_safe + xp.log(total_safe)))
     out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
     lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=-2)
     out = spec.ungroup_out(xp.astype(out, spec.dtype, copy=False))
-    return out, xp.reshape(lse, spec.lse_shape)
+    return out, _composed.reshape_lse(spec, lse[..., 0])
 
 
 def backward(
@@ -234,6 +240,9 @@ def backward(
     cd = spec.cdtype
     dev = spec.device
     qg, kg, vg, mask_g = _composed._prepare(spec, query, key, value, attn_mask)
+    # Operands that meet excluded pairs' zero weights, with garbage (NaN/Inf) zeroed.
+    qc, kc = _composed.finite_or_zero(spec, qg), _composed.finite_or_zero(spec, kg)
+    vc, _ = _composed.value_operands(spec, vg)
     do_g, delta, dl = _composed.backward_rows(spec, out, d_out, d_lse)
     lse_g = xp.astype(_composed._group_lse(spec, lse), cd)
     rows_shape = spec.lead + (spec.Hq // spec.G, spec.G)
@@ -254,28 +263,7 @@ def backward(
         lse_blk = lse_g[..., r0:r1, :]
         do_blk, delta_blk, dl_blk = (rows_of(x, r0, r1) for x in (do_g, delta, dl))
         dq_acc = None
-        row_total = None
-        if spec.mask_kind == "float":
-            # A huge additive bias (HF's finfo.min on a fully masked row) swallows
-            # log(S) in the saved LSE, so exp(S - LSE) no longer sums to 1 on that row.
-            # With float masks, one extra pass over the keys measures each row's total.
-            for _, c0, c1, inside in _key_blocks(spec, r0, r1, bk):
-                rows, cols = _composed.index_block(spec, r0, r1, c0, c1)
-                s, _ = _composed.scores_block(
-                    spec,
-                    q_blk,
-                    kg[..., c0:c1, :],
-                    _mask_block(mask_g, r0, r1, c0, c1),
-                    rows,
-                    cols,
-                    check_structure=not inside,
-                )
-                part = xp.sum(
-                    _composed.probabilities_from_lse(spec, s, lse_blk), axis=-1, keepdims=True
-                )
-                row_total = part if row_total is None else row_total + part
-            if row_total is not None:
-                row_total = xp.where(row_total > 0, row_total, xp.ones_like(row_total))
+        row_total = _row_totals(spec, q_blk, kg, mask_g, lse_blk, r0, r1, bk)
         for j, c0, c1, inside in _key_blocks(spec, r0, r1, bk):
             rows, cols = _composed.index_block(spec, r0, r1, c0, c1)
             k_blk = kg[..., c0:c1, :]
@@ -292,12 +280,14 @@ def backward(
             if row_total is not None:
                 p = p / row_total
             ds, dv_g = _composed.backward_block(
-                spec, p, vg[..., c0:c1, :], do_blk, delta_blk, dl_blk, rows, cols
+                spec, p, vc[..., c0:c1, :], do_blk, delta_blk, dl_blk, rows, cols
             )
             if ds is None:  # neither d_out nor d_lse: every gradient is zero
                 continue
             dmask.add(ds, r0 // bq, j, r1 - r0, c1 - c0)
-            dq_g, dk_g = _composed.scores_grad_block(spec, q_blk, k_blk, ds, tanh)
+            dq_g, dk_g = _composed.scores_grad_block(
+                spec, qc[..., r0:r1, :], kc[..., c0:c1, :], ds, tanh
+            )
             dq_acc = dq_g if dq_acc is None else dq_acc + dq_g
             dk_b = sum_to_shape(xp, xp.sum(dk_g, axis=-3), k_pad[:-2] + (c1 - c0, spec.E))
             dk_blocks[j] = dk_b if dk_blocks[j] is None else dk_blocks[j] + dk_b
@@ -319,6 +309,49 @@ def backward(
     if spec.mask_kind == "float":
         d_mask = dmask.result(attn_mask.dtype)
     return dq, dk, dv, d_mask
+
+
+def _row_totals(
+    spec: AttentionSpec,
+    q_blk: Array,
+    kg: Array,
+    mask_g: Array | None,
+    lse_blk: Array,
+    r0: int,
+    r1: int,
+    bk: int,
+) -> Array | None:
+    """Row totals ``sum_j exp(S_ij - LSE_i)`` to divide ``P`` by on the rows of a query
+    block whose huge ``|LSE|`` swallowed ``log(rowsum)`` (see
+    ``_composed.RENORMALISE_LSE_ERROR``; 1 on the other rows), or ``None`` when no row
+    needs it. Costs one more pass over the keys, taken only when a row needs it; where a
+    Python decision on data is impossible (JAX tracing, Dask) the pass always runs."""
+    xp = spec.xp
+    cd = spec.cdtype
+    eps = float(xp.finfo(cd).eps)
+    need = xp.logical_and(
+        xp.isfinite(lse_blk), xp.abs(lse_blk) * eps > _composed.RENORMALISE_LSE_ERROR
+    )
+    if not is_lazy(xp) and not bool(xp.any(need)):
+        return None
+    total = None
+    for _, c0, c1, inside in _key_blocks(spec, r0, r1, bk):
+        rows, cols = _composed.index_block(spec, r0, r1, c0, c1)
+        s, _ = _composed.scores_block(
+            spec,
+            q_blk,
+            kg[..., c0:c1, :],
+            _mask_block(mask_g, r0, r1, c0, c1),
+            rows,
+            cols,
+            check_structure=not inside,
+        )
+        part = xp.sum(_composed.probabilities_from_lse(spec, s, lse_blk), axis=-1, keepdims=True)
+        total = part if total is None else total + part
+    if total is None:
+        return None
+    one = full_scalar(xp, 1.0, cd, spec.device)
+    return xp.where(xp.logical_and(need, total > 0), total, one)
 
 
 def _fill(
@@ -372,6 +405,8 @@ class _MaskGradient:
         spec, xp = self.spec, self.spec.xp
         n_rows = -(-spec.L // self.bq) if self.span_rows else 1
         n_cols = -(-spec.S // self.bk) if self.span_cols else 1
+        if n_rows == 0 or n_cols == 0:  # S = 0 (or L = 0): no block, nothing to concat
+            return xp.zeros(spec.mask_shape, dtype=dtype, device=spec.device)
         row_parts = []
         for i in range(n_rows):
             nq = min(self.bq, spec.L - i * self.bq) if self.span_rows else 1

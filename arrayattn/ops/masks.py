@@ -62,7 +62,10 @@ class Structure:
         offset = 0 if causal_align == "top_left" else S - L
         left, right = -1, -1
         if window is not None:
-            left, right = window
+            # A bound of L + S or more excludes no key for any diagonal offset in
+            # [-L, S] (per-sequence offsets included): it is unbounded, and must not
+            # reach int32 index arithmetic (2**31 overflowed there).
+            left, right = (-1 if w >= L + S else w for w in window)
         if is_causal:
             right = 0 if right == -1 else min(right, 0)
         return Structure(offset, left, right)
@@ -71,6 +74,13 @@ class Structure:
     def is_trivial(self) -> bool:
         """True when every query sees every key."""
         return self.left < 0 and self.right < 0
+
+    def excludes_nothing(self, L: int, S: int) -> bool:
+        """True when every query of ``L`` sees every key of ``S`` (no key is excluded,
+        e.g. bottom-right causal decoding with ``L = 1``)."""
+        left_ok = self.left < 0 or (L - 1) + self.offset - self.left <= 0
+        right_ok = self.right < 0 or self.offset + self.right >= S - 1
+        return left_ok and right_ok
 
     def col_range(
         self,
