@@ -15,8 +15,6 @@ Skipped when MkDocs, Material or mkdocstrings is not installed (the ``docs`` ext
 from __future__ import annotations
 
 import html
-import importlib
-import inspect
 import os
 import re
 import subprocess
@@ -77,21 +75,27 @@ def _is_remote(url: str) -> bool:
     return url.startswith("//") or bool(re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", url))
 
 
-def _resolve_object(path: str):
-    """The Python object an API page heading id (``arrayattn.ops.softmax.softmax``) names."""
-    parts = path.split(".")
-    for cut in range(len(parts), 0, -1):
+def _docstrings():
+    """Docstring of an API page heading id (``arrayattn.softmax.softmax``), found as
+    mkdocstrings finds it (griffe, aliases followed)."""
+    import griffe
+
+    package = griffe.load("arrayattn", search_paths=[str(ROOT)], resolve_aliases=False)
+
+    def docstring(path: str) -> str | None:
         try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for name in parts[cut:]:
-            obj = getattr(obj, name)
-        return obj
-    raise LookupError(path)
+            obj = package[path.split(".", 1)[1]] if "." in path else package
+            if obj.is_alias:
+                obj = obj.final_target
+        except (KeyError, griffe.AliasResolutionError, griffe.CyclicAliasError):
+            return None
+        return obj.docstring.value if obj.docstring else ""
+
+    return docstring
 
 
 def test_api_examples_render_as_code(site: Path):
+    docstring = _docstrings()
     checked = 0
     for page in sorted((site / "api").glob("*.html")):
         text = page.read_text(encoding="utf-8")
@@ -102,11 +106,8 @@ def test_api_examples_render_as_code(site: Path):
             kind = re.search(r"doc-object-name doc-(\w+)-name", section)
             if kind is None or kind.group(1) == "module":
                 continue  # modules: their docstrings hold no examples here
-            try:
-                obj = _resolve_object(m.group("id"))
-            except (LookupError, AttributeError):
-                continue
-            doc = inspect.getdoc(obj) or ""
+            doc = docstring(m.group("id"))
+            assert doc is not None, f"{page.name}: cannot find {m.group('id')}"
             if ">>>" not in doc:
                 continue
             n_doc = sum(1 for line in doc.splitlines() if line.lstrip().startswith(">>>"))
