@@ -119,7 +119,7 @@ def test_api_examples_render_as_code(site: Path):
                 f"{n_doc} '>>>' lines as code"
             )
             checked += 1
-    assert checked >= 10, f"only {checked} API entries with examples found on the API pages"
+    assert checked >= 20, f"only {checked} API entries with examples found on the API pages"
 
 
 def test_no_blockquoted_prompts(site: Path):
