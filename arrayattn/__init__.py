@@ -7,20 +7,28 @@ array-api-compat); every op has a hand-written backward reachable through :func:
 from . import nn
 from ._autodiff import differentiable_ops, vjp
 from .ops import (
+    ROPE_TYPES,
     apply_rope,
     attention_weights,
     dropout_mask,
+    grid_positions,
     implementations,
     layer_norm,
     merge_attention_states,
     merge_heads,
+    mrope_frequencies,
+    multi_axis_rope_frequencies,
     repeat_kv,
     rms_norm,
     rope_frequencies,
+    rope_inv_freq,
+    rope_kwargs_from_config,
     scaled_dot_product_attention,
+    sinusoidal_embedding,
     softmax,
     split_heads,
     varlen_attention,
+    wan_axes_dim,
 )
 
 __version__ = "0.1.0"
@@ -38,6 +46,14 @@ __all__ = [
     "repeat_kv",
     "rope_frequencies",
     "apply_rope",
+    "rope_inv_freq",
+    "rope_kwargs_from_config",
+    "ROPE_TYPES",
+    "multi_axis_rope_frequencies",
+    "mrope_frequencies",
+    "grid_positions",
+    "wan_axes_dim",
+    "sinusoidal_embedding",
     "rms_norm",
     "layer_norm",
     "vjp",

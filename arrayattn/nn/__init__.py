@@ -1,11 +1,23 @@
 """Layers built on the ops: ``linear``, ``embedding``, activations, ``MultiHeadAttention``
-with a ``KVCache``. Parameters are plain dicts of arrays with Hugging Face names; every
-layer's backward is composed from the ops' hand-written pullbacks."""
+with a ``KVCache`` (per-sequence lengths) or a ``PagedKVCache``. Parameters are plain dicts
+of arrays with Hugging Face names; every layer's backward is composed from the ops'
+hand-written pullbacks."""
 
 from .activations import erf, gelu, silu
-from .attention import MultiHeadAttention
+from .attention import Cotangents, MultiHeadAttention
 from .embedding import embedding
 from .kv_cache import KVCache
 from .linear import linear
+from .paged_kv_cache import PagedKVCache
 
-__all__ = ["linear", "embedding", "erf", "gelu", "silu", "MultiHeadAttention", "KVCache"]
+__all__ = [
+    "linear",
+    "embedding",
+    "erf",
+    "gelu",
+    "silu",
+    "MultiHeadAttention",
+    "Cotangents",
+    "KVCache",
+    "PagedKVCache",
+]

@@ -1,42 +1,100 @@
-"""``KVCache``: preallocated key/value buffers for incremental decoding.
+"""``KVCache``: preallocated key/value buffers for incremental decoding, one row per
+sequence, each row with its own length.
 
 Keys and values of every generated token are written once into buffers of the maximum
 length, in place where the library's arrays are writable (NumPy, CuPy, PyTorch,
 array-api-strict) and by building new buffers where they are not (JAX): decoding never
-grows arrays by concatenation on writable backends.
+grows arrays by concatenation on writable backends. Row ``b`` appends at its own position
+``lengths[b]``, so prompts of different lengths decode together; attention over the cache
+masks each row's unfilled tail through ``kv_lengths`` (no dense mask).
 """
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Sequence
 from typing import Any
 
 import array_api_compat
+import numpy as np
 
 from .._backend import Array, device_of, namespace_of, resolve_namespace
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "check_count", "host_lengths"]
+
+
+def check_count(name: str, value: Any, *, minimum: int = 1) -> int:
+    """``value`` as a Python int (any integral type: ``int``, ``np.int64``); a
+    ``TypeError`` for non-integers (``2.5``, ``True``) and a ``ValueError`` below
+    ``minimum``, each naming ``name``, the value seen and what is expected."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def host_lengths(name: str, lengths: Any, batch_size: int, maximum: int) -> tuple[int, ...]:
+    """Per-sequence counts as a tuple of Python ints, from a sequence of ints or a 1-D
+    integer array of any library, checked to be ``batch_size`` values in ``[0, maximum]``."""
+    if isinstance(lengths, (numbers.Number, str, bytes)) or lengths is None:
+        raise TypeError(
+            f"{name} must be a sequence or 1-D integer array of {batch_size} counts, got "
+            f"{type(lengths).__name__} {lengths!r}"
+        )
+    dtype = getattr(lengths, "dtype", None)
+    if dtype is not None:
+        xp = array_api_compat.array_namespace(lengths)
+        if not xp.isdtype(dtype, "integral"):
+            raise TypeError(f"{name} must have an integer dtype, got {dtype}")
+        if lengths.ndim != 1:
+            raise ValueError(
+                f"{name} must be 1-D ({batch_size},), got shape {tuple(lengths.shape)}"
+            )
+    values = list(lengths)
+    for v in values:
+        if dtype is None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
+            raise TypeError(f"{name} must hold ints, got {type(v).__name__} {v!r}")
+    out = tuple(int(v) for v in values)
+    if len(out) != batch_size:
+        raise ValueError(
+            f"{name} must have {batch_size} entries (one per sequence), got {len(out)}"
+        )
+    bad = [(b, n) for b, n in enumerate(out) if not 0 <= n <= maximum]
+    if bad:
+        b, n = bad[0]
+        raise ValueError(f"{name}[{b}] = {n} is outside [0, {maximum}]")
+    return out
 
 
 class KVCache:
-    """Keys ``(B, Hkv, max_length, D)`` and values ``(B, Hkv, max_length, Dv)`` of which
-    the first ``length`` positions are filled.
+    """Keys ``(B, Hkv, max_length, D)`` and values ``(B, Hkv, max_length, Dv)``; row ``b``
+    holds one sequence whose first ``lengths[b]`` positions are filled.
 
     Create one with :meth:`allocate` (or ``MultiHeadAttention.new_cache``); a module call
-    with ``cache=`` appends the new tokens' keys and values (after qk-norm and RoPE) and
-    attends over everything cached so far.
+    with ``cache=`` appends the new tokens' keys and values (after qk-norm and RoPE) of
+    each row at that row's own position and attends over everything the row holds.
+
+    Args:
+        keys: ``(B, Hkv, max_length, D)`` buffer.
+        values: ``(B, Hkv, max_length, Dv)`` buffer of the same library, device and dtype.
+        length: filled positions: one int for every row, or one int per row.
 
     Examples:
         >>> import numpy as np
         >>> from arrayattn.nn import KVCache
-        >>> cache = KVCache.allocate(1, 2, 16, 8, xp=np)
-        >>> new = np.ones((1, 2, 3, 8), np.float32)
-        >>> k, v = cache.append(new, new)
-        >>> cache.length, k.shape
-        (3, (1, 2, 3, 8))
+        >>> cache = KVCache.allocate(2, 2, 16, 8, xp=np)  # dtype follows the first append
+        >>> new = np.ones((2, 2, 3, 8), np.float32)
+        >>> k, v = cache.append(new, new)                 # 3 tokens for both rows
+        >>> cache.length, k.shape, cache.dtype
+        (3, (2, 2, 3, 8), dtype('float32'))
+        >>> k, v = cache.append(new, new, lengths=[1, 3])  # row 0 takes 1 token, row 1 takes 3
+        >>> cache.lengths.tolist(), k.shape
+        ([4, 6], (2, 2, 6, 8))
     """
 
-    def __init__(self, keys: Array, values: Array, length: int = 0) -> None:
-        self.xp = namespace_of(keys=keys, values=values)
+    def __init__(self, keys: Array, values: Array, length: int | Sequence[int] = 0) -> None:
+        xp = namespace_of(keys=keys, values=values)
         if keys.ndim != 4 or values.ndim != 4:
             raise ValueError(
                 f"keys and values must be 4-D (B, Hkv, max_length, D), got shapes "
@@ -47,11 +105,25 @@ class KVCache:
                 f"keys {tuple(keys.shape)} and values {tuple(values.shape)} must agree on "
                 f"(B, Hkv, max_length)"
             )
-        if not 0 <= length <= keys.shape[2]:
-            raise ValueError(f"length must be in [0, {keys.shape[2]}], got {length}")
-        self.keys = keys
-        self.values = values
-        self.length = int(length)
+        if keys.dtype != values.dtype:
+            raise TypeError(f"keys ({keys.dtype}) and values ({values.dtype}) must share a dtype")
+        B, H, S, D = (int(d) for d in keys.shape)
+        self._init_shape(B, H, S, D, int(values.shape[3]), xp, device_of(keys), keys.dtype)
+        self.keys: Array | None = keys
+        self.values: Array | None = values
+        if isinstance(length, numbers.Number) and not isinstance(length, bool):
+            n = check_count("length", length, minimum=0)
+            if n > S:
+                raise ValueError(f"length must be in [0, {S}] (max_length), got {n}")
+            self._lengths = np.full(B, n, dtype=np.int64)
+        else:
+            self._lengths = np.array(host_lengths("length", length, B, S), dtype=np.int64)
+
+    def _init_shape(self, B, H, S, D, Dv, xp, device, dtype) -> None:
+        self.batch_size, self.num_kv_heads, self._max_length = B, H, S
+        self.head_dim, self.value_dim = D, Dv
+        self.xp, self.device, self._dtype = xp, device, dtype
+        self._follows_keys = False
 
     @classmethod
     def allocate(
@@ -66,83 +138,221 @@ class KVCache:
         device: Any = None,
         dtype: Any = None,
     ) -> KVCache:
-        """Zero-filled buffers for ``max_length`` positions (``dtype`` default float32)."""
-        for name, n in (
-            ("batch_size", batch_size),
-            ("num_kv_heads", num_kv_heads),
-            ("max_length", max_length),
-            ("head_dim", head_dim),
-        ):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"{name} must be a positive int, got {n!r}")
-        ns = resolve_namespace(xp)
-        dt = ns.float32 if dtype is None else dtype
-        dv = head_dim if value_dim is None else value_dim
-        keys = ns.zeros((batch_size, num_kv_heads, max_length, head_dim), dtype=dt, device=device)
-        values = ns.zeros((batch_size, num_kv_heads, max_length, dv), dtype=dt, device=device)
-        return cls(keys, values)
+        """Zero-filled buffers for ``batch_size`` sequences of up to ``max_length``
+        positions. With ``dtype=None`` the buffers follow the first keys appended (which
+        follow the layer's parameters): their dtype and, when ``xp`` is ``None``, their
+        library and device. With ``xp`` given and ``dtype=None``, float32 buffers are made
+        at once and replaced by buffers of the keys' dtype at the first append if that
+        differs (nothing is cached yet then).
 
+        Examples:
+            >>> import numpy as np
+            >>> from arrayattn.nn import KVCache
+            >>> KVCache.allocate(1, 2, 16, 8, xp=np, dtype=np.float64).keys.shape
+            (1, 2, 16, 8)
+        """
+        B = check_count("batch_size", batch_size)
+        H = check_count("num_kv_heads", num_kv_heads)
+        S = check_count("max_length", max_length)
+        D = check_count("head_dim", head_dim)
+        Dv = D if value_dim is None else check_count("value_dim", value_dim)
+        self = cls.__new__(cls)
+        self._lengths = np.zeros(B, dtype=np.int64)
+        self.keys = self.values = None
+        if dtype is None:
+            ns = None if xp is None else resolve_namespace(xp)
+            self._init_shape(B, H, S, D, Dv, ns, device, None)
+            self._follows_keys = True
+            if ns is not None:  # provisional buffers (callers may hold them already)
+                self._dtype = ns.float32
+                self._materialise()
+        else:
+            ns = resolve_namespace(xp)
+            self._init_shape(B, H, S, D, Dv, ns, device, dtype)
+            self._materialise()
+        return self
+
+    def _materialise(self) -> None:
+        xp, dev, dt = self.xp, self.device, self._dtype
+        B, H, S = self.batch_size, self.num_kv_heads, self._max_length
+        self.keys = xp.zeros((B, H, S, self.head_dim), dtype=dt, device=dev)
+        self.values = xp.zeros((B, H, S, self.value_dim), dtype=dt, device=dev)
+        self.device = device_of(self.keys)
+        self._dtype = self.keys.dtype  # the library's dtype object (np.float32 -> dtype)
+
+    # -- state ------------------------------------------------------------------------
     @property
     def max_length(self) -> int:
-        return int(self.keys.shape[2])
+        """Positions per sequence (the capacity of each row)."""
+        return self._max_length
+
+    @property
+    def dtype(self) -> Any:
+        """The buffers' dtype (``None`` until the first append when allocated without one)."""
+        return self._dtype
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Filled positions per sequence, a NumPy int64 array ``(B,)`` (a copy)."""
+        return self._lengths.copy()
+
+    @property
+    def length(self) -> int:
+        """The filled positions when every row holds the same number (a ``ValueError``
+        otherwise: read :attr:`lengths`)."""
+        n = int(self._lengths[0])
+        if np.any(self._lengths != n):
+            raise ValueError(
+                f"the sequences hold different numbers of positions {self._lengths.tolist()}; "
+                f"read cache.lengths"
+            )
+        return n
 
     @property
     def in_place(self) -> bool:
         """True when appends write into the buffers (the library's arrays are writable)."""
+        if self.keys is None:
+            return self.xp is None or not array_api_compat.is_jax_namespace(self.xp)
         return bool(array_api_compat.is_writeable_array(self.keys))
 
     def filled(self) -> tuple[Array, Array]:
-        """The cached keys and values: prefixes ``(B, Hkv, length, D)`` and
-        ``(B, Hkv, length, Dv)`` of the buffers (views where the library has them)."""
-        n = self.length
+        """The cached keys and values up to the longest row: ``(B, Hkv, max(lengths), D)``
+        and ``(B, Hkv, max(lengths), Dv)`` (views where the library has them; positions
+        past a row's own length hold stale data)."""
+        if self.keys is None:
+            raise ValueError("the cache is empty and has no buffers yet (nothing appended)")
+        n = int(self._lengths.max())
         return self.keys[:, :, :n, :], self.values[:, :, :n, :]
 
-    def reset(self) -> None:
-        """Forget the cached tokens (buffers are kept and overwritten later)."""
-        self.length = 0
+    def reset(self, rows: int | Sequence[int] | None = None) -> None:
+        """Forget the cached tokens of ``rows`` (default: every row), e.g. a sequence that
+        finished, so its row takes a new sequence. Buffers are kept and overwritten."""
+        if rows is None:
+            self._lengths[:] = 0
+            return
+        for b in [rows] if isinstance(rows, numbers.Integral) else rows:
+            b = check_count("rows", b, minimum=0)
+            if b >= self.batch_size:
+                raise ValueError(f"rows must be in [0, {self.batch_size}), got {b}")
+            self._lengths[b] = 0
 
-    def append(self, key: Array, value: Array) -> tuple[Array, Array]:
-        """Write ``key (B, Hkv, l, D)`` and ``value (B, Hkv, l, Dv)`` at positions
-        ``[length, length + l)`` and return the filled prefixes ``(B, Hkv, length, ...)``
-        (``length`` already advanced)."""
-        xp = namespace_of(keys=self.keys, key=key, value=value)
-        ks, vs = tuple(key.shape), tuple(value.shape)
-        if key.ndim != 4 or ks[:2] != tuple(self.keys.shape[:2]) or ks[3] != self.keys.shape[3]:
-            raise ValueError(
-                f"key must have shape (B, Hkv, l, D) = {tuple(self.keys.shape[:2])} + (l, "
-                f"{self.keys.shape[3]}), got {ks}"
-            )
-        if value.ndim != 4 or vs[:3] != ks[:3] or vs[3] != self.values.shape[3]:
-            raise ValueError(
-                f"value must have shape {ks[:3] + (int(self.values.shape[3]),)}, got {vs}"
-            )
-        if key.dtype != self.keys.dtype or value.dtype != self.values.dtype:
+    # -- writing ----------------------------------------------------------------------
+    def check_append(self, new_lengths: Sequence[int], dtype: Any = None) -> None:
+        """Raise, changing nothing, when appending ``new_lengths[b]`` tokens to each row
+        would overflow a row, or when ``dtype`` differs from the buffers' dtype."""
+        n = host_lengths("lengths", new_lengths, self.batch_size, self._max_length)
+        for b, (held, new) in enumerate(zip(self._lengths.tolist(), n, strict=True)):
+            if held + new > self._max_length:
+                raise ValueError(
+                    f"KV cache overflow in sequence {b}: {held} cached + {new} new tokens > "
+                    f"its capacity max_length={self._max_length}; allocate a longer cache or "
+                    f"reset(rows={b}) when the sequence has finished"
+                )
+        if self._rebinds(dtype):
+            return
+        if dtype is not None and self._dtype is not None and dtype != self._dtype:
             raise TypeError(
-                f"key/value dtypes {key.dtype}/{value.dtype} differ from the cache's "
-                f"{self.keys.dtype}"
+                f"the new keys/values have dtype {dtype} but the KV cache (capacity "
+                f"{self.batch_size} sequences x {self._max_length} positions) holds "
+                f"{self._dtype}; allocate it with dtype={dtype} or dtype=None, which follows "
+                f"the layer's parameters"
             )
-        start, stop = self.length, self.length + int(ks[2])
-        if stop > self.max_length:
+
+    def append(
+        self, key: Array, value: Array, lengths: Sequence[int] | None = None
+    ) -> tuple[Array, Array]:
+        """Write ``key (B, Hkv, l, D)`` and ``value (B, Hkv, l, Dv)``: row ``b`` takes its
+        first ``lengths[b]`` new tokens (default all ``l``; the rest is right padding) at
+        positions ``[self.lengths[b], self.lengths[b] + lengths[b])``. Returns the filled
+        buffers up to the longest row, ``(B, Hkv, max(self.lengths), D)`` and ``(..., Dv)``
+        (lengths already advanced). A rejected append changes nothing."""
+        xp = namespace_of(key=key, value=value)
+        ks, vs = tuple(int(d) for d in key.shape), tuple(int(d) for d in value.shape)
+        head = (self.batch_size, self.num_kv_heads)
+        if key.ndim != 4 or ks[:2] != head or ks[3] != self.head_dim:
             raise ValueError(
-                f"cache overflow: {self.length} cached + {ks[2]} new > max_length {self.max_length}"
+                f"key must have shape (B, Hkv, l, D) = {head} + (l, {self.head_dim}), got {ks}"
             )
-        if self.in_place:
-            self.keys[:, :, start:stop, :] = key
-            self.values[:, :, start:stop, :] = value
+        if value.ndim != 4 or vs[:3] != ks[:3] or vs[3] != self.value_dim:
+            raise ValueError(f"value must have shape {ks[:3] + (self.value_dim,)}, got {vs}")
+        if key.dtype != value.dtype:
+            raise TypeError(f"key ({key.dtype}) and value ({value.dtype}) must share a dtype")
+        n = (ks[2],) * self.batch_size if lengths is None else lengths
+        n = host_lengths("lengths", n, self.batch_size, ks[2])
+        self.check_append(n, key.dtype)
+        snap = self._snapshot()
+        if self.keys is None or self._rebinds(key.dtype):
+            self._bind(xp, key)
+        try:
+            namespace_of(cache=self.keys, key=key)
+        except TypeError:
+            self._restore(snap)
+            raise
+        starts = self._lengths.tolist()
+        uniform = len(set(starts)) == 1 and all(m == ks[2] for m in n)
+        if uniform:  # one slice for the whole batch: the common decoding step
+            s = starts[0]
+            self.keys = self._write(xp, self.keys, key, (slice(None), s, s + ks[2]))
+            self.values = self._write(xp, self.values, value, (slice(None), s, s + ks[2]))
         else:
-            self.keys = _spliced(xp, self.keys, key, start, stop)
-            self.values = _spliced(xp, self.values, value, start, stop)
-        self.length = stop
-        return self.keys[:, :, :stop, :], self.values[:, :, :stop, :]
+            for b, (s, m) in enumerate(zip(starts, n, strict=True)):
+                if m:
+                    kb, vb = key[b : b + 1, :, :m, :], value[b : b + 1, :, :m, :]
+                    self.keys = self._write(xp, self.keys, kb, (slice(b, b + 1), s, s + m))
+                    self.values = self._write(xp, self.values, vb, (slice(b, b + 1), s, s + m))
+        self._lengths += np.asarray(n, dtype=np.int64)
+        return self.filled()
+
+    def _rebinds(self, dtype: Any) -> bool:
+        """True when provisional buffers (``dtype=None``) must be remade for keys of
+        ``dtype``: nothing is cached yet and the dtypes differ."""
+        return (
+            self._follows_keys
+            and self.keys is not None
+            and dtype is not None
+            and dtype != self._dtype
+            and not self._lengths.any()
+        )
+
+    def _bind(self, xp: Any, key: Array) -> None:
+        # A cache allocated without a dtype takes the first keys' dtype (and their
+        # library and device when none was given).
+        if self.xp is None:
+            self.xp, self.device = xp, device_of(key)
+        self._dtype = key.dtype
+        self._materialise()
+
+    def _write(self, xp: Any, buffer: Array, new: Array, where: tuple[slice, int, int]) -> Array:
+        rows, start, stop = where
+        if self.in_place:
+            buffer[rows, :, start:stop, :] = new
+            return buffer
+        # Immutable arrays (JAX): a new buffer with the rows' positions replaced.
+        b0 = 0 if rows.start is None else rows.start
+        b1 = buffer.shape[0] if rows.stop is None else rows.stop
+        part = buffer[b0:b1, ...]
+        part = xp.concat((part[:, :, :start, :], new, part[:, :, stop:, :]), axis=2)
+        return xp.concat((buffer[:b0, ...], part, buffer[b1:, ...]), axis=0)
+
+    def kv_lengths(self, xp: Any = None) -> Array:
+        """The filled lengths as an int64 array of the cache's library and device, the
+        ``kv_lengths`` of an attention call over :meth:`filled`."""
+        ns = self.xp if xp is None else xp
+        return ns.asarray(self._lengths.tolist(), dtype=ns.int64, device=self.device)
+
+    # -- rollback of a failed call ------------------------------------------------------
+    def _snapshot(self) -> tuple[Any, ...]:
+        # Writes land past the filled lengths; restoring the lengths (and, on immutable
+        # backends, the buffer objects) undoes an append completely.
+        return (self._lengths.copy(), self.keys, self.values, self._dtype, self.xp, self.device)
+
+    def _restore(self, snap: tuple[Any, ...]) -> None:
+        lengths, self.keys, self.values, self._dtype, self.xp, self.device = snap
+        self._lengths = lengths
 
     def __repr__(self) -> str:
         return (
-            f"KVCache(length={self.length}, max_length={self.max_length}, "
-            f"shape={tuple(self.keys.shape)}, dtype={self.keys.dtype}, "
-            f"device={device_of(self.keys)!r})"
+            f"KVCache(lengths={self._lengths.tolist()}, max_length={self._max_length}, "
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"value_dim={self.value_dim}, dtype={self._dtype}, device={self.device!r})"
         )
-
-
-def _spliced(xp: Any, buffer: Array, new: Array, start: int, stop: int) -> Array:
-    """``buffer`` with positions ``[start, stop)`` replaced by ``new`` (immutable arrays)."""
-    return xp.concat((buffer[:, :, :start, :], new, buffer[:, :, stop:, :]), axis=2)

@@ -15,6 +15,9 @@ from .heads import merge_heads, repeat_kv, split_heads
 from .merge import merge_attention_states
 from .norms import layer_norm, rms_norm
 from .rope import apply_rope, rope_frequencies
+from .rope_multi import grid_positions, mrope_frequencies, multi_axis_rope_frequencies, wan_axes_dim
+from .rope_scaling import ROPE_TYPES, rope_inv_freq, rope_kwargs_from_config
+from .sinusoidal import sinusoidal_embedding
 from .softmax import softmax
 from .varlen import varlen_attention
 
@@ -48,6 +51,14 @@ __all__ = [
     "repeat_kv",
     "rope_frequencies",
     "apply_rope",
+    "rope_inv_freq",
+    "rope_kwargs_from_config",
+    "ROPE_TYPES",
+    "multi_axis_rope_frequencies",
+    "mrope_frequencies",
+    "grid_positions",
+    "wan_axes_dim",
+    "sinusoidal_embedding",
     "rms_norm",
     "layer_norm",
 ]

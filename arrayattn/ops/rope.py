@@ -10,6 +10,7 @@ the conjugate.
 from __future__ import annotations
 
 import numbers
+from collections.abc import Mapping
 from typing import Any
 
 from .._autodiff import register_vjp
@@ -21,6 +22,7 @@ from .._backend import (
     namespace_of,
     resolve_namespace,
 )
+from .rope_scaling import inv_freq_list, real_dtype
 
 __all__ = ["rope_frequencies", "apply_rope", "ROPE_LAYOUTS"]
 
@@ -32,16 +34,35 @@ def rope_frequencies(
     positions: Array | int,
     *,
     theta: float = 10000.0,
+    rope_scaling: Mapping[str, Any] | None = None,
+    partial_rotary_factor: float | None = None,
+    max_position_embeddings: int | None = None,
+    seq_len: int | None = None,
+    apply_attention_factor: bool = True,
     xp: Any = None,
     device: Any = None,
     dtype: Any = None,
 ) -> Array:
     """Complex RoPE factors ``exp(i * pos * theta_j)``, ``theta_j = theta ** (-2j / head_dim)``
-    for ``j < head_dim // 2``.
+    for ``j < head_dim // 2``, or the scaled ladder of a Hugging Face RoPE config.
 
     Shapes: ``positions`` ``(L,)`` (or any shape ``P``; an int ``n`` means ``arange(n)``)
-    -> ``(L, head_dim // 2)`` (``P + (head_dim // 2,)``). Offsets for a KV cache are just
-    positions that start later, e.g. ``arange(past, past + new)``.
+    -> ``(L, R // 2)`` (``P + (R // 2,)``), ``R = head_dim`` unless a partial rotary
+    factor makes it ``int(head_dim * partial_rotary_factor)``. Offsets for a KV cache are
+    just positions that start later, e.g. ``arange(past, past + new)``.
+
+    ``rope_scaling`` is the ``rope_scaling`` / ``rope_parameters`` dict of a model's
+    ``config.json`` (``default``, ``linear``, ``dynamic``, ``llama3``, ``yarn``,
+    ``longrope``); the inverse frequencies are :func:`rope_inv_freq`'s, equal to Hugging
+    Face's ``ROPE_INIT_FUNCTIONS``. With ``apply_attention_factor`` (the default) the
+    result is multiplied by the config's attention factor (``yarn``, ``longrope``), as HF
+    multiplies ``cos`` and ``sin``: ``apply_rope`` then gives HF's rotated q and k. Pass
+    ``False`` to get unit factors and scale the scores yourself (by the factor squared).
+    ``dynamic`` and ``longrope`` depend on the sequence length: ``seq_len`` is HF's
+    ``max(position_ids) + 1``; it defaults to ``n`` for int positions and must be given
+    for array positions (it is never read from the data, so the call stays traceable).
+    ``partial_rotary_factor`` and ``max_position_embeddings`` are the config's fields of
+    those names (see :func:`rope_inv_freq`).
 
     ``dtype`` is the real dtype the angles are computed in, as the reference
     implementations do (float32 -> complex64, the default; float64 -> complex128); a
@@ -54,48 +75,72 @@ def rope_frequencies(
         >>> f = aa.rope_frequencies(8, 5, xp=np)
         >>> f.shape, f.dtype
         ((5, 4), dtype('complex64'))
+        >>> yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+        ...         "partial_rotary_factor": 0.5}
+        >>> g = aa.rope_frequencies(16, 5, rope_scaling=yarn, xp=np)
+        >>> g.shape, round(float(abs(g[0, 0])), 4)       # 4 pairs rotated, |f| = attention factor
+        ((5, 4), 1.1386)
     """
-    if (
-        isinstance(head_dim, bool)
-        or not isinstance(head_dim, numbers.Integral)
-        or head_dim < 2
-        or head_dim % 2
-    ):
-        raise ValueError(f"head_dim must be a positive even int, got {head_dim!r}")
-    if isinstance(theta, bool) or not isinstance(theta, numbers.Real) or not float(theta) > 0:
-        raise ValueError(f"theta must be a positive number, got {theta!r}")
     if isinstance(positions, numbers.Integral) and not isinstance(positions, bool):
         if positions < 0:
             raise ValueError(f"positions must be >= 0 when an int, got {positions}")
         ns = resolve_namespace(xp)
         pos = None
+        if seq_len is None:
+            seq_len = int(positions)
     else:
         ns = namespace_of(positions=positions)
         device = device_of(positions)
         pos = positions
-    real = _real_dtype(ns, dtype)
+    if rope_scaling is None and partial_rotary_factor is None:
+        # The plain ladder keeps its historical argument checks and messages.
+        if (
+            isinstance(head_dim, bool)
+            or not isinstance(head_dim, numbers.Integral)
+            or head_dim < 2
+            or head_dim % 2
+        ):
+            raise ValueError(f"head_dim must be a positive even int, got {head_dim!r}")
+        if isinstance(theta, bool) or not isinstance(theta, numbers.Real) or not float(theta) > 0:
+            raise ValueError(f"theta must be a positive number, got {theta!r}")
+    elif pos is not None and seq_len is None and _needs_seq_len(rope_scaling):
+        raise ValueError(
+            "rope_scaling of rope_type 'dynamic' or 'longrope' depends on the sequence "
+            "length: pass seq_len= (Hugging Face uses max(position_ids) + 1) with array "
+            "positions"
+        )
+    inv_freq, attention_factor = inv_freq_list(
+        head_dim,
+        rope_scaling,
+        theta=theta,
+        partial_rotary_factor=partial_rotary_factor,
+        max_position_embeddings=max_position_embeddings,
+        seq_len=seq_len,
+    )
+    real = real_dtype(ns, dtype)
     if pos is None:
         pos = ns.arange(int(positions), dtype=real, device=device)
     else:
         pos = ns.astype(pos, real)
-    half = int(head_dim) // 2
-    exponents = ns.arange(half, dtype=real, device=device) * (-2.0 / int(head_dim))
-    inv_freq = float(theta) ** exponents
-    angles = ns.expand_dims(pos, axis=-1) * inv_freq
-    cdt = ns.complex128 if real == ns.float64 else ns.complex64
-    return ns.astype(ns.cos(angles), cdt) + 1j * ns.astype(ns.sin(angles), cdt)
+    angles = ns.expand_dims(pos, axis=-1) * ns.asarray(inv_freq, dtype=real, device=device)
+    scale = attention_factor if apply_attention_factor else 1.0
+    return polar(ns, angles, scale)
 
 
-def _real_dtype(xp: Any, dtype: Any) -> Any:
-    if dtype is None:
-        return xp.float32
-    if dtype in (xp.complex128, xp.float64):
-        return xp.float64
-    # float16/bfloat16 exist only in some namespaces (array-api-strict has neither).
-    low = tuple(getattr(xp, name) for name in ("float16", "bfloat16") if hasattr(xp, name))
-    if dtype in (xp.complex64, xp.float32) + low:
-        return xp.float32
-    raise TypeError(f"dtype must be a float or complex dtype, got {dtype!r}")
+def _needs_seq_len(rope_scaling: Mapping[str, Any] | None) -> bool:
+    if not isinstance(rope_scaling, Mapping):
+        return False
+    return rope_scaling.get("rope_type", rope_scaling.get("type")) in ("dynamic", "longrope")
+
+
+def polar(xp: Any, angles: Array, scale: float = 1.0) -> Array:
+    """``scale * exp(i * angles)`` as complex64 (complex128 for float64 angles); cos and
+    sin are scaled in the real dtype first, as Hugging Face scales its cos/sin."""
+    cdt = xp.complex128 if angles.dtype == xp.float64 else xp.complex64
+    cos, sin = xp.cos(angles), xp.sin(angles)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return xp.astype(cos, cdt) + 1j * xp.astype(sin, cdt)
 
 
 def _check_apply(x: Array, freqs: Array, layout: str) -> tuple[Any, int]:
@@ -167,6 +212,12 @@ def apply_rope(x: Array, freqs: Array, *, layout: str = "interleaved") -> Array:
 
     ``layout="interleaved"`` pairs features ``(2j, 2j+1)`` (Meta LLaMA);
     ``layout="half"`` pairs ``(j, j + F)`` (Hugging Face ``rotate_half``).
+
+    ``freqs`` need not have magnitude 1: the factors of ``rope_frequencies(...,
+    rope_scaling=yarn)`` carry the attention factor, as Hugging Face's scaled ``cos`` and
+    ``sin`` do, and the multi-axis builders (``multi_axis_rope_frequencies``,
+    ``mrope_frequencies``) give factors of the same shape, so every variant goes through
+    here. The backward multiplies by ``conj(freqs)`` in every case.
 
     Examples:
         >>> import numpy as np

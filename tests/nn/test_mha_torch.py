@@ -211,3 +211,71 @@ def test_timm_style_qk_layernorm_attention():
     np.testing.assert_allclose(dx, xt.grad.numpy(), **TOL)
     for name in w:
         np.testing.assert_allclose(dp[name], w[name].grad.numpy(), **TOL, err_msg=name)
+
+
+TORCH_NAMES = {
+    "in_proj_weight": "qkv_proj.weight",
+    "in_proj_bias": "qkv_proj.bias",
+    "out_proj.weight": "o_proj.weight",
+    "out_proj.bias": "o_proj.bias",
+}
+
+
+@pytest.mark.parametrize("average", [True, False])
+def test_kdim_vdim_weights_and_float_mask_gradient_equal_torch(average):
+    """The PyTorch tutorial's E_q != E_k != E_v, need_weights (averaged or per head) and
+    a learned float mask whose gradient comes from the module's vjp."""
+    E, H, Ck, Cv, B, L, S = 12, 3, 7, 5, 2, 3, 6
+    mha = MultiHeadAttention(embed_dim=E, num_heads=H, context_dim=Ck, value_context_dim=Cv)
+    p = random_params(mha, 8)
+    rng = np.random.default_rng(9)
+    x, k, v = (rng.standard_normal((B, n, d)) for n, d in ((L, E), (S, Ck), (S, Cv)))
+    mask = rng.standard_normal((L, S))
+    dy = rng.standard_normal((B, L, E))
+    ref = torch.nn.MultiheadAttention(E, H, batch_first=True, kdim=Ck, vdim=Cv, dtype=torch.float64)
+    with torch.no_grad():
+        for ours, theirs in (("q", ref.q_proj_weight), ("k", ref.k_proj_weight)):
+            theirs.copy_(torch.tensor(p[f"{ours}_proj.weight"]))
+        ref.v_proj_weight.copy_(torch.tensor(p["v_proj.weight"]))
+        ref.in_proj_bias.copy_(
+            torch.tensor(np.concatenate([p["q_proj.bias"], p["k_proj.bias"], p["v_proj.bias"]]))
+        )
+        ref.out_proj.weight.copy_(torch.tensor(p["o_proj.weight"]))
+        ref.out_proj.bias.copy_(torch.tensor(p["o_proj.bias"]))
+    xt, kt, vt, mt = t64(x), t64(k), t64(v), t64(mask)
+    out_t, w_t = ref(xt, kt, vt, attn_mask=mt, need_weights=True, average_attn_weights=average)
+    out_t.backward(torch.tensor(dy))
+    out, w = mha(p, x, k, value=v, attn_mask=mask, need_weights=True, average_attn_weights=average)
+    np.testing.assert_allclose(out, out_t.detach().numpy(), **TOL)
+    np.testing.assert_allclose(w, w_t.detach().numpy(), **TOL)
+    _, pullback = mha.vjp(p, x, k, value=v, attn_mask=mask)
+    g = pullback(dy)
+    np.testing.assert_allclose(g.x, xt.grad.numpy(), **TOL)
+    np.testing.assert_allclose(g.context, kt.grad.numpy(), **TOL)
+    np.testing.assert_allclose(g.value, vt.grad.numpy(), **TOL)
+    np.testing.assert_allclose(g.attn_mask, mt.grad.numpy(), **TOL)
+    np.testing.assert_allclose(g.params["v_proj.weight"], ref.v_proj_weight.grad.numpy(), **TOL)
+
+
+def test_packed_cross_attention_loaded_from_a_torch_state_dict_equals_torch():
+    """torch.nn.MultiheadAttention(E, H) called as cross-attention splits in_proj_weight's
+    rows over query, key and value; its state dict loads through rename= as float64."""
+    E, H, B, L, S = 12, 4, 2, 3, 5
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64)
+    mha = MultiHeadAttention(embed_dim=E, num_heads=H, packed_qkv=True)
+    p = mha.load(ref.state_dict(), rename=TORCH_NAMES)
+    assert p["qkv_proj.weight"].dtype == np.float64
+    rng = np.random.default_rng(10)
+    x, k, v = (rng.standard_normal((B, n, E)) for n in (L, S, S))
+    dy = rng.standard_normal((B, L, E))
+    xt, kt, vt = t64(x), t64(k), t64(v)
+    out_t, _ = ref(xt, kt, vt, need_weights=False)
+    out_t.backward(torch.tensor(dy))
+    out, pullback = mha.vjp(p, x, k, value=v)
+    g = pullback(dy)
+    np.testing.assert_allclose(out, out_t.detach().numpy(), **TOL)
+    for ours, theirs in ((g.x, xt), (g.context, kt), (g.value, vt)):
+        np.testing.assert_allclose(ours, theirs.grad.numpy(), **TOL)
+    np.testing.assert_allclose(g.params["qkv_proj.weight"], ref.in_proj_weight.grad.numpy(), **TOL)
+    np.testing.assert_allclose(g.params["qkv_proj.bias"], ref.in_proj_bias.grad.numpy(), **TOL)

@@ -243,6 +243,7 @@ def test_every_public_op_is_differentiable():
         aa.merge_heads,
         aa.repeat_kv,
         aa.apply_rope,
+        aa.sinusoidal_embedding,
         aa.rms_norm,
         aa.layer_norm,
     ):
