@@ -11,6 +11,9 @@ docstrings that arrive with the old form are fixed the same way
                         ->         >>> import numpy as np
         >>> import numpy as np
 
+(also ``Example:``, and ``Examples:`` with a blank line after it, which the parser ends
+there, leaving the block as text).
+
 A block that holds no ``>>>`` (a shell command) becomes a fenced ``bash`` block under the
 same heading, so it renders as code too. Doctest still finds every ``>>>`` line.
 
@@ -24,15 +27,20 @@ import re
 import sys
 from pathlib import Path
 
-# The heading (any indent: ``Example::``, ``Examples::`` or the admonition ``Example:``),
-# the blank line(s) after it, then the indented block.
+# The heading (any indent: ``Example::``, ``Examples::``, the admonition ``Example:``, or
+# ``Examples:`` followed by a blank line, which ends the section before it starts), the
+# blank line(s) after it, then the indented block.
 _BLOCK = re.compile(
-    r"^(?P<indent>[ \t]*)(?:Examples?::|Example:)[ \t]*\n(?:[ \t]*\n)*"
+    r"^(?P<indent>[ \t]*)(?:(?:Examples?::|Example:)[ \t]*\n(?:[ \t]*\n)*"
+    r"|Examples:[ \t]*\n(?:[ \t]*\n)+)"
     r"(?P<body>(?:(?P=indent)[ \t]+\S.*\n|[ \t]*\n)+)",
     re.MULTILINE,
 )
-# Headings that do not render as code: ``Example::``, ``Examples::``, ``Example:``.
-OLD = re.compile(r"^[ \t]*(?:Examples?::|Example:)[ \t]*$", re.MULTILINE)
+# Headings that do not render as code: ``Example::``, ``Examples::``, ``Example:``, and
+# ``Examples:`` with a blank line after it.
+OLD = re.compile(
+    r"^[ \t]*(?:(?:Examples?::|Example:)[ \t]*$|Examples:[ \t]*\n[ \t]*$)", re.MULTILINE
+)
 
 
 def _rewrite(m: re.Match) -> str:

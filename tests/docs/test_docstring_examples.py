@@ -41,4 +41,7 @@ def test_conversion_keeps_the_doctest():
     admonition = 'def g():\n    """Doc.\n\n    Example:\n        >>> 3\n        3\n    """\n'
     assert "    Examples:\n        >>> 3\n" in tool.convert(admonition)
     assert tool.OLD.search(before) and tool.OLD.search(admonition)
+    spaced = 'def h():\n    """Doc.\n\n    Examples:\n\n        >>> 4\n        4\n    """\n'
+    assert tool.OLD.search(spaced)
+    assert "    Examples:\n        >>> 4\n        4\n" in tool.convert(spaced)
     assert not tool.OLD.search(after)
