@@ -105,7 +105,9 @@ def namespace_of(**arrays: Array | None) -> Namespace:
     dev = device_of(present[first])
     for name in names[1:]:
         other = device_of(present[name])
-        if other != dev:
+        # A JAX tracer under jax.jit has no device (None); concrete arrays the traced
+        # function closes over (lengths, sinks) are placed by JAX, not a mismatch.
+        if other != dev and other is not None and dev is not None:
             raise TypeError(
                 f"{name} is on device {other!r} but {first} is on device {dev!r}; all arrays "
                 f"in one call must be on one device"

@@ -165,7 +165,9 @@ def softmax_with_lse(spec: AttentionSpec, s: Array) -> tuple[Array, Array]:
     neg_inf = full_scalar(xp, -float("inf"), spec.cdtype, spec.device)
     zero = full_scalar(xp, 0.0, spec.cdtype, spec.device)
     one = full_scalar(xp, 1.0, spec.cdtype, spec.device)
-    if s.shape[-1] == 0:  # no keys at all (S = 0): every row is empty; max has no identity
+    # No keys (S = 0): every row is empty and max has no identity. No queries (L = 0):
+    # nothing to reduce, but Dask's blockwise max still fails on the empty blocks.
+    if 0 in tuple(s.shape):
         return s, xp.full(tuple(s.shape[:-1]), -float("inf"), dtype=spec.cdtype, device=spec.device)
     m = xp.max(s, axis=-1, keepdims=True)  # NaN when a score is NaN (max propagates it)
     m = xp.where(xp.isfinite(m), m, zero)  # empty rows: exp(-inf - 0) = 0

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import arrayattn as aa
+from arrayattn.testing.strategies import attention_problems as attention_problem
 
 SDPA = aa.scaled_dot_product_attention
 
@@ -23,31 +24,6 @@ def _settings(backend, n: int = 25):
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
         database=None,
     )
-
-
-@st.composite
-def attention_problem(draw, structure: bool = True, gqa: bool = True):
-    """Shapes and options: (q_shape, k_shape, mask kind or None, kwargs, numpy seed)."""
-    B = draw(st.integers(1, 2))
-    Hkv = draw(st.integers(1, 3))
-    G = draw(st.integers(1, 3)) if gqa else 1
-    L = draw(st.integers(1, 9))
-    S = draw(st.integers(1, 9))
-    E = draw(st.sampled_from([1, 3, 4, 8]))
-    kwargs = {"enable_gqa": G > 1}
-    if structure:
-        if draw(st.booleans()):
-            kwargs["is_causal"] = True
-        kwargs["causal_align"] = draw(st.sampled_from(["top_left", "bottom_right"]))
-        if draw(st.booleans()):
-            kwargs["window"] = (draw(st.integers(-1, 4)), draw(st.integers(-1, 4)))
-    if draw(st.booleans()):
-        kwargs["softcap"] = draw(st.floats(0.5, 5.0))
-    if draw(st.booleans()):
-        kwargs["scale"] = draw(st.floats(0.1, 2.0))
-    mask = draw(st.sampled_from([None, "bool", "float"]))
-    seed = draw(st.integers(0, 2**32 - 1))
-    return (B, Hkv * G, L, E), (B, Hkv, S, E), mask, kwargs, seed
 
 
 def _inputs(problem, dtype="float64"):

@@ -1,0 +1,230 @@
+"""The array libraries a test can run on: one :class:`Backend` per library and device.
+
+``BACKENDS`` names every backend the kit knows; :func:`selected_backends` reads a
+selection (``--backends`` or ``ARRAYATTN_BACKENDS``, comma-separated); :func:`make_backend`
+imports one and raises ``ImportError`` when it is not installed (the pytest fixtures turn
+that into a skip, never a failure). No pytest import here: the kit is usable without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "make_backend",
+    "selected_backends",
+    "available_backends",
+]
+
+BACKENDS = (
+    "numpy",
+    "array_api_strict",
+    "array_api_strict_device1",
+    "torch",
+    "jax",
+    "dask",
+    "cupy",
+)
+
+ENV_VAR = "ARRAYATTN_BACKENDS"
+
+
+@dataclass(frozen=True)
+class Backend:
+    """An array library under test, on one device.
+
+    Attributes:
+        name: one of :data:`BACKENDS`.
+        xp: its array-API namespace.
+        device: the device arrays are created on.
+
+    Examples:
+        >>> from arrayattn.testing import make_backend
+        >>> import numpy as np
+        >>> b = make_backend("numpy")
+        >>> b.to_numpy(b.asarray(np.arange(3.0))).tolist()
+        [0.0, 1.0, 2.0]
+    """
+
+    name: str
+    xp: Any  # array-API namespace
+    device: Any
+
+    def asarray(self, a: np.ndarray) -> Any:
+        """Move a NumPy array (the test's data) to this backend, keeping its dtype."""
+        if self.name == "jax":
+            import jax.numpy as jnp
+
+            return jnp.asarray(a)
+        return self.xp.asarray(a, device=self.device)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        """Bring an array of this backend back to NumPy."""
+        if self.name == "cupy":
+            return x.get()
+        if self.name == "torch":
+            return x.detach().cpu().numpy()
+        if self.name.startswith("array_api_strict"):  # also array_api_strict_device1
+            import array_api_strict
+
+            x = array_api_strict.asarray(x, device=array_api_strict.Device("CPU_DEVICE"))
+            return np.asarray(x._array)
+        return np.asarray(x)
+
+    def dtype(self, name: str) -> Any:
+        """The backend's dtype called ``name``, or ``None`` when it has none (float16 on
+        array-api-strict, bfloat16 on NumPy)."""
+        return getattr(self.xp, name, None)
+
+    @property
+    def compiles_per_shape(self) -> bool:
+        """True for JAX, where every new shape costs a compilation (about a second): big
+        test matrices run a representative subset there."""
+        return self.name == "jax"
+
+    def call(self, fn: Any, *arrays: Any, **options: Any) -> Any:
+        """``fn(*arrays, **options)``; on JAX under ``jax.jit`` (options static), which
+        also proves the op traces without data-dependent Python values."""
+        if self.name == "jax":
+            return _jit_arrays(functools.partial(fn, **options), arrays)
+        return fn(*arrays, **options)
+
+    def vjp(self, fn: Any, arrays: tuple, cotangent: Any, **options: Any) -> tuple[Any, Any]:
+        """``(out, grads)`` of ``arrayattn.vjp(fn, *arrays, **options)`` pulled back with
+        ``cotangent`` (an array of this backend, or a tuple for tuple outputs); jitted on
+        JAX."""
+        import arrayattn
+
+        def run(*a: Any) -> tuple[Any, Any]:
+            out, pullback = arrayattn.vjp(fn, *a, **options)
+            return out, pullback(cotangent)
+
+        if self.name == "jax":
+            return _jit_arrays(run, arrays)
+        return run(*arrays)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _jit_arrays(fn: Any, args: tuple) -> Any:
+    """``jax.jit(fn)(*args)`` tracing only the JAX arrays; other positional arguments
+    (ints such as ``num_heads``, ``None``) stay static Python values."""
+    import jax
+
+    dynamic = [i for i, a in enumerate(args) if isinstance(a, jax.Array)]
+
+    def inner(*arrays: Any) -> Any:
+        full = list(args)
+        for i, a in zip(dynamic, arrays, strict=True):
+            full[i] = a
+        return fn(*full)
+
+    return jax.jit(inner)(*(args[i] for i in dynamic))
+
+
+def make_backend(name: str) -> Backend:
+    """The :class:`Backend` called ``name``.
+
+    Raises:
+        ValueError: ``name`` is not in :data:`BACKENDS`.
+        ImportError: the library (or, for CuPy, a CUDA device) is missing.
+
+    Examples:
+        >>> from arrayattn.testing import make_backend
+        >>> make_backend("numpy").device
+        'cpu'
+    """
+    if name == "numpy":
+        import array_api_compat.numpy as xp
+
+        return Backend(name, xp, "cpu")
+    if name == "array_api_strict":
+        import array_api_strict as xp
+
+        return Backend(name, xp, xp.Device("CPU_DEVICE"))
+    if name == "array_api_strict_device1":
+        import array_api_strict as xp
+
+        return Backend(name, xp, xp.Device("device1"))
+    if name == "torch":
+        import array_api_compat.torch as xp
+        import torch
+
+        return Backend(name, xp, torch.device("cpu"))
+    if name == "jax":
+        import jax
+
+        # Without x64, float64 arrays silently become float32.
+        jax.config.update("jax_enable_x64", True)
+        import jax.numpy as xp
+
+        return Backend(name, xp, jax.devices()[0])
+    if name == "dask":
+        import array_api_compat.dask.array as xp
+
+        return Backend(name, xp, "cpu")
+    if name == "cupy":
+        import array_api_compat.cupy as xp
+        import cupy
+
+        try:
+            count = cupy.cuda.runtime.getDeviceCount()
+        except Exception as exc:  # CUDA runtime error without a driver
+            raise ImportError(f"no CUDA device: {exc}") from exc
+        if count < 1:
+            raise ImportError("no CUDA device")
+        return Backend(name, xp, cupy.cuda.Device(0))
+    raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+
+
+def selected_backends(option: str | Sequence[str] | None = None) -> list[str]:
+    """The backend names to run: ``option`` (a comma-separated string or a sequence, as
+    given to ``--backends``), else the ``ARRAYATTN_BACKENDS`` environment variable, else
+    all of :data:`BACKENDS`. Unknown names are a ``ValueError``.
+
+    Examples:
+        >>> from arrayattn.testing import selected_backends
+        >>> selected_backends("numpy, torch")
+        ['numpy', 'torch']
+    """
+    if option is None:
+        option = os.environ.get(ENV_VAR, "")
+    if isinstance(option, str):
+        names = [n.strip() for n in option.split(",") if n.strip()]
+    else:
+        names = [str(n).strip() for n in option if str(n).strip()]
+    if not names:
+        return list(BACKENDS)
+    unknown = sorted(set(names) - set(BACKENDS))
+    if unknown:
+        raise ValueError(
+            f"backends (--backends / {ENV_VAR}) names unknown backends {unknown}; known: {BACKENDS}"
+        )
+    return names
+
+
+def available_backends(names: Sequence[str] | None = None) -> list[str]:
+    """Those of ``names`` (default: all of :data:`BACKENDS`) that import here.
+
+    Examples:
+        >>> from arrayattn.testing import available_backends
+        >>> "numpy" in available_backends()
+        True
+    """
+    out = []
+    for name in BACKENDS if names is None else names:
+        try:
+            make_backend(name)
+        except Exception:  # ImportError, or a CUDA runtime error without a GPU
+            continue
+        out.append(name)
+    return out
