@@ -51,6 +51,11 @@ def vjp(fn: Callable[..., Any], *arrays: Any, **options: Any) -> tuple[Any, Pull
     ``(d_out, d_lse)`` for ``scaled_dot_product_attention(..., return_lse=True)``, where
     ``None`` entries mean zero.
 
+    Keyword arrays that are differentiable (``sinks=`` of the attention ops) get their
+    cotangents in one more entry after the positional ones: a dict from the keyword's
+    name to its cotangent, e.g. ``dq, dk, dv, kw = pullback(g)`` and ``kw["sinks"]``.
+    It is present only when such a keyword array was passed.
+
     Examples:
         >>> import numpy as np
         >>> import arrayattn as aa
@@ -72,7 +77,14 @@ def vjp(fn: Callable[..., Any], *arrays: Any, **options: Any) -> tuple[Any, Pull
 
     def trimmed_pullback(cotangent: Any) -> tuple[Any, ...]:
         grads = tuple(pullback(cotangent))
+        # A rule may end its tuple with a dict of keyword-argument cotangents
+        # (``{"sinks": ...}``); it follows the positional ones, after trimming.
+        keywords = grads[-1] if grads and isinstance(grads[-1], dict) else None
+        if keywords is not None:
+            grads = grads[:-1]
         grads = grads[:n] + (None,) * max(0, n - len(grads))
+        if keywords:
+            grads = grads + (dict(keywords),)
         return grads
 
     return out, trimmed_pullback

@@ -77,22 +77,29 @@ def available_backends() -> list[_Backend]:
 
 
 # -- float64 references -------------------------------------------------------------
-def _ref_attention(q, k, v, mask, causal_offset, G, scale):
+def _ref_attention(q, k, v, mask, causal_offset, G, scale, sinks=None, slopes=None):
     k = np.repeat(k, G, axis=-3)
     v = np.repeat(v, G, axis=-3)
     s = scale * (q @ np.swapaxes(k, -1, -2))
     L, S = s.shape[-2:]
+    if slopes is not None:  # ALiBi: -slope * |i + offset - j|
+        dist = np.abs(np.arange(L)[:, None] + (causal_offset or 0) - np.arange(S)[None, :])
+        s = s - slopes[:, None, None] * dist
     allowed = np.ones((L, S), bool)
     if causal_offset is not None:
         allowed = np.arange(S)[None, :] <= np.arange(L)[:, None] + causal_offset
     if mask is not None:
         allowed = allowed & mask
     s = np.where(allowed, s, -np.inf)
+    if sinks is not None:  # gpt-oss: one more logit column with no value
+        s = np.concatenate([s, np.broadcast_to(sinks[:, None, None], s.shape[:-1] + (1,))], -1)
     m = s.max(-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
     e = np.exp(s - m)
     z = e.sum(-1, keepdims=True)
     p = e / np.where(z > 0, z, 1.0)
+    if sinks is not None:
+        p = p[..., :-1]
     return p @ v
 
 
@@ -134,6 +141,8 @@ def _check_backend(b: _Backend, rng: np.random.Generator) -> list[tuple[str, str
     k = rng.standard_normal((B, Hkv, S, E))
     v = rng.standard_normal((B, Hkv, S, E))
     mask = rng.random((L, S)) > 0.3
+    sinks = rng.standard_normal(Hq)
+    slopes = 2.0 ** -np.arange(1.0, Hq + 1)
     x = rng.standard_normal((3, L, E))
     w = rng.standard_normal(E)
     bias = rng.standard_normal(E)
@@ -173,6 +182,32 @@ def _check_backend(b: _Backend, rng: np.random.Generator) -> list[tuple[str, str
                 ),
                 _ref_attention(
                     rounded(q), rounded(k), rounded(v), mask, None, Hq // Hkv, 1 / math.sqrt(E)
+                ),
+            )
+        )
+        cases.append(
+            (
+                "sdpa sinks+ALiBi causal",
+                aa.scaled_dot_product_attention(
+                    arr(q),
+                    arr(k),
+                    arr(v),
+                    is_causal=True,
+                    enable_gqa=True,
+                    causal_align="bottom_right",
+                    sinks=arr(sinks),
+                    alibi_slopes=arr(slopes),
+                ),
+                _ref_attention(
+                    rounded(q),
+                    rounded(k),
+                    rounded(v),
+                    None,
+                    S - L,
+                    Hq // Hkv,
+                    1 / math.sqrt(E),
+                    rounded(sinks),
+                    rounded(slopes),
                 ),
             )
         )

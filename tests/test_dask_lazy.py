@@ -40,6 +40,8 @@ D_OUT = rng.standard_normal((2, 4, 12, 8))
 BOOL_MASK = rng.random((2, 1, 12, 10)) > 0.3
 FLOAT_MASK = rng.standard_normal((1, 4, 12, 10))
 X = rng.standard_normal((2, 12, 16))
+SINKS = rng.standard_normal(4)
+SLOPES = rng.uniform(0.1, 1.0, (2, 4))
 
 
 def _sdpa_vjp(q, k, v, d_out, **options):
@@ -103,6 +105,21 @@ CASES: dict[str, tuple[Callable[..., Any], tuple[np.ndarray, ...]]] = {
         ),
         (Q, K, V, FLOAT_MASK, D_OUT),
     ),
+    "vjp sdpa sinks alibi chunked": (
+        lambda q, k, v, s, m, d: _sdpa_vjp(
+            q,
+            k,
+            v,
+            d,
+            sinks=s,
+            alibi_slopes=m,
+            is_causal=True,
+            enable_gqa=True,
+            causal_align="bottom_right",
+            implementation="chunked",
+        ),
+        (Q, K, V, SINKS, SLOPES, D_OUT),
+    ),  # fmt: skip
     "attention_weights": (
         lambda q, k: aa.attention_weights(q, k, is_causal=True, enable_gqa=True),
         (Q, K),

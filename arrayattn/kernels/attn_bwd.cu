@@ -140,12 +140,21 @@ AA_BWD_DEV bool aa_bwd_mask_ok(const unsigned char* mask, long long m_base, long
            mask[m_base + (long long)i * m_sr + (long long)j * m_sc] != 0;
 }
 
+// The ALiBi bias of (i, j) for a head of slope `slope` (slope 0 when alibi is absent).
+template <typename Acc>
+AA_BWD_DEV Acc aa_bwd_alibi(Acc slope, int i, int j, int offset) {
+    return -slope * Acc(aa_alibi_dist(i, j, offset));
+}
+
 // One score -> (dropped probability for dV, dS for dK/dQ). acc_s = q.k, acc_dp = dO.v.
-// lse2 = LSE * log2(e) (+inf on empty or invalid rows), delta = D - dLSE.
+// lse2 = LSE * log2(e) (+inf on empty or invalid rows), delta = D - dLSE. bias: the
+// ALiBi term -slope * |i + offset - j| added after the softcap (0 without ALiBi). Sinks
+// need nothing here: the saved LSE includes them, so P = exp(S - LSE) is already right.
 template <typename Acc>
 AA_BWD_DEV void aa_bwd_element(Acc acc_s, Acc acc_dp, Acc lse2, Acc delta, bool allowed,
                                bool dropout, bool keep, Acc scale, Acc softcap,
-                               Acc inv_softcap, Acc inv_keep, Acc& p_out, Acc& ds_out) {
+                               Acc inv_softcap, Acc inv_keep, Acc bias, Acc& p_out,
+                               Acc& ds_out) {
     Acc s = acc_s * scale;
     Acc chain = Acc(1);
     if (softcap > Acc(0)) {
@@ -153,6 +162,7 @@ AA_BWD_DEV void aa_bwd_element(Acc acc_s, Acc acc_dp, Acc lse2, Acc delta, bool 
         s = softcap * t;
         chain = Acc(1) - t * t;
     }
+    s += bias;
     const Acc p = allowed ? aa_exp2(s * Acc(AA_LOG2E) - lse2) : Acc(0);
     Acc dp = acc_dp;
     Acc pd = p;
@@ -172,7 +182,8 @@ AA_BWD_DEV void aa_bwd_element(Acc acc_s, Acc acc_dp, Acc lse2, Acc delta, bool 
         Acc scale, Acc softcap, int bottom_right, int left, int right,                      \
         const int *__restrict__ q_lens, const int *__restrict__ k_lens, aa_u32 seed,        \
         aa_u32 drop_threshold, Acc inv_keep, const unsigned char *__restrict__ mask,         \
-        long long m_sb, long long m_sh, long long m_sr, long long m_sc
+        long long m_sb, long long m_sh, long long m_sr, long long m_sc,                       \
+        const Acc *__restrict__ alibi
 
 // ---------------------------------------------------------------------------------------
 // Preprocessing: one warp per row. delta = rowsum(dO * O) - dLSE; lse2 = LSE * log2(e).
@@ -241,7 +252,7 @@ AA_BWD_DEV void aa_bwd_tile_simt(const Acc* sQ, const Acc* sK, const Acc* sV, co
                                  AaDropState drop, bool dropout, aa_u32 drop_threshold,
                                  Acc scale, Acc softcap, Acc inv_softcap, Acc inv_keep,
                                  const unsigned char* mask, long long m_base, long long m_sr,
-                                 long long m_sc, int L) {
+                                 long long m_sc, int L, const Acc* alibi, long long qh) {
     constexpr int LD = HD + 1;
     constexpr int LDP = BN + 1;
     constexpr int MSTRIDE = NT / BN;    // threads sharing one key take rows mb, mb + MSTRIDE..
@@ -266,6 +277,9 @@ AA_BWD_DEV void aa_bwd_tile_simt(const Acc* sQ, const Acc* sK, const Acc* sV, co
             dp[t] += sdO[m * LD + d] * vd;
         }
     }
+    // Read the slope only now: kept live across the loop above, it made the float64
+    // HD = 32 variant spill under its 128-register launch bound.
+    const Acc slope = alibi ? alibi[qh] : Acc(0);
 #pragma unroll
     for (int t = 0; t < MPT; ++t) {
         const int m = mb + t * MSTRIDE;
@@ -277,7 +291,7 @@ AA_BWD_DEV void aa_bwd_tile_simt(const Acc* sQ, const Acc* sK, const Acc* sV, co
         if (dropout) keep = aa_drop_keep(aa_drop_bits_rc(aa_drop_row(drop, i), j), drop_threshold);
         Acc p, ds;
         aa_bwd_element<Acc>(s[t], dp[t], sL[m], sD[m], allowed, dropout, keep, scale, softcap,
-                            inv_softcap, inv_keep, p, ds);
+                            inv_softcap, inv_keep, aa_bwd_alibi(slope, i, j, seq.offset), p, ds);
         sP[m * LDP + n] = p;
         sdS[m * LDP + n] = ds;
     }
@@ -349,7 +363,8 @@ aa_bwd_dkdv_simt(AA_BWD_ARGS(typename AaIO<T>::type, Acc), typename AaIO<T>::typ
             aa_bwd_tile_simt<Acc, HD, BN, BM, NT>(sQ, sK, sV, sdO, sL, sD, sP, sdS, m0, c0,
                                                   full, seq, left, right, drop, dropout,
                                                   drop_threshold, scale, softcap, inv_softcap,
-                                                  inv_keep, mask, m_base, m_sr, m_sc, L);
+                                                  inv_keep, mask, m_base, m_sr, m_sc, L,
+                                                  alibi, qh);
             __syncthreads();
             // dV += P^T dO, dK += dS^T Q for this thread's key and dims.
             for (int m = 0; m < BM; ++m) {
@@ -443,7 +458,7 @@ aa_bwd_dq_simt(AA_BWD_ARGS(typename AaIO<T>::type, Acc), typename AaIO<T>::type*
         aa_bwd_tile_simt<Acc, HD, BN, BM, NT>(sQ, sK, sV, sdO, sL, sD, sP, sdS, m0, c0, full,
                                               seq, left, right, drop, dropout, drop_threshold,
                                               scale, softcap, inv_softcap, inv_keep, mask, m_base,
-                                              m_sr, m_sc, L);
+                                              m_sr, m_sc, L, alibi, qh);
         __syncthreads();
         // dQ rows mq, mq + NT/HD, ... at dim dq_d: each K element read serves PER rows.
 #pragma unroll 4
@@ -605,6 +620,7 @@ aa_bwd_dkdv_mma(AA_BWD_ARGS(typename AaIO<T>::type, float), typename AaIO<T>::ty
     for (int g = 0; g < G; ++g) {
         const int h = hk * G + g;
         const long long qh = (long long)b * Hq + h;
+        const float slope = alibi ? alibi[qh] : 0.f;
         const AaDropState drop = aa_drop_prefix(seed, b, h);
         const long long m_base = (long long)b * m_sb + (long long)h * m_sh;
         for (int m0 = hi > lo ? (lo / BM) * BM : hi; m0 < hi; m0 += BM) {
@@ -661,7 +677,7 @@ aa_bwd_dkdv_mma(AA_BWD_ARGS(typename AaIO<T>::type, float), typename AaIO<T>::ty
                     float p, ds;
                     aa_bwd_element<float>(acc_s[t][r], acc_p[t][r], sL[qi], sD[qi], allowed,
                                           dropout, keep, scale, softcap, inv_softcap, inv_keep,
-                                          p, ds);
+                                          aa_bwd_alibi(slope, i, j, seq.offset), p, ds);
                     acc_s[t][r] = p;
                     acc_p[t][r] = ds;
                 }
@@ -786,6 +802,7 @@ aa_bwd_dq_mma(AA_BWD_ARGS(typename AaIO<T>::type, float), typename AaIO<T>::type
     const float inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
     const bool dropout = drop_threshold != 0u;
     const long long qh = (long long)b * Hq + h;
+    const float slope = alibi ? alibi[qh] : 0.f;
     const long long kv_head = (long long)b * Hkv + hk;
     const AaDropState drop = aa_drop_prefix(seed, b, h);
     const long long m_base = (long long)b * m_sb + (long long)h * m_sh;
@@ -850,7 +867,8 @@ aa_bwd_dq_mma(AA_BWD_ARGS(typename AaIO<T>::type, float), typename AaIO<T>::type
                     keep = aa_drop_keep(aa_drop_bits_rc(aa_drop_row(drop, i), j), drop_threshold);
                 float p, ds;
                 aa_bwd_element<float>(acc_s[t][r], acc_p[t][r], sL[qi], sD[qi], allowed, dropout,
-                                      keep, scale, softcap, inv_softcap, inv_keep, p, ds);
+                                      keep, scale, softcap, inv_softcap, inv_keep,
+                                      aa_bwd_alibi(slope, i, j, seq.offset), p, ds);
                 acc_s[t][r] = ds;
             }
         }

@@ -8,6 +8,10 @@
 //   aa_fwd_simt<T, D, SOFTCAP, DROPOUT, MASK>   float / double on CUDA cores, register tiles,
 //       accumulation (and softmax, and LSE) in T.
 // D (head dim of Q, K and V) is one of 32, 64, 96, 128, 256; the host pads other sizes.
+// Runtime options (null pointers when absent; contiguous (batch, Hq) in the accumulation
+// type, indexed blockIdx.z * gridDim.y + head): sinks, gpt-oss logits folded into each
+// row's denominator at the end (aa_fold_sink), and alibi slopes, -slope * |i + offset - j|
+// added to every score after the softcap.
 // MASK: 0 none, 1 dense bool (uint8, nonzero = takes part), 2 dense float bias (float32 for
 // the tc and float kernels, float64 for double), read through four int64 element strides so
 // any broadcast works.
@@ -88,7 +92,21 @@ AA_DEV AaSeq aa_sequence(int b, const int* q_lens, const int* kv_lens, const int
         long long o_sr, long long lse_sb, long long lse_sh, long long m_sb, long long m_sh, \
         long long m_sr, long long m_sc, int L, int S, int G, int bottom_right, int left,    \
         int right, TACC scale_log2, TACC scale, TACC softcap, TACC inv_softcap,             \
-        aa_u32 seed, aa_u32 threshold, TACC inv_keep
+        aa_u32 seed, aa_u32 threshold, TACC inv_keep, const TACC *__restrict__ sinks,       \
+        const TACC *__restrict__ alibi
+
+// Sinks (gpt-oss): fold one more logit sink2 (log2 domain) with no value into a row's
+// running max m and sum l at the end; returns the factor the row's accumulator takes
+// (exp2(m_old - m_new), 0 for a row that saw no key). A -inf sink changes nothing.
+template <typename A>
+AA_DEV A aa_fold_sink(A sink2, A& m, A& l) {
+    if (sink2 == aa_neg_inf<A>()) return A(1);
+    const A mx = m > sink2 ? m : sink2;
+    const A o_scale = m == aa_neg_inf<A>() ? A(0) : aa_exp2(m - mx);
+    l = l * o_scale + aa_exp2(sink2 - mx);
+    m = mx;
+    return o_scale;
+}
 
 // Score (raw q.k) -> log2-domain score after scale, softcap and float bias; -inf where
 // the dense mask says no. The structural mask is applied by the caller.
@@ -241,6 +259,8 @@ __global__ void __launch_bounds__(AaTcCfg<D, MT>::NT, AaTcCfg<D, MT>::MIN_BLOCKS
 
     const int b = blockIdx.z, h = blockIdx.y;
     const AaSeq sq = aa_sequence(b, q_lens, kv_lens, cu_q, cu_k, L, S, bottom_right);
+    const long long bh = (long long)b * gridDim.y + h;
+    const float slope2 = alibi != nullptr ? alibi[bh] * (float)AA_LOG2E : 0.f;
     const int r0 = (gridDim.x - 1 - blockIdx.x) * BM;  // late (causally heavy) blocks first
     if (r0 >= sq.rows_store) return;
     const int rows_valid = sq.q_len - r0;  // may be <= 0 (padding rows only)
@@ -377,6 +397,7 @@ __global__ void __launch_bounds__(AaTcCfg<D, MT>::NT, AaTcCfg<D, MT>::MIN_BLOCKS
                                                 (long long)(sq.col_base + j) * m_sc;
                         x = aa_score<float, SOFTCAP, MASK>(s[mt][nt][e], scale_log2, scale,
                                                            softcap, inv_softcap, mask, m_off);
+                        if (alibi != nullptr) x -= slope2 * (float)aa_alibi_dist(i, j, sq.offset);
                     }
                     s[mt][nt][e] = x;
                 }
@@ -473,8 +494,11 @@ __global__ void __launch_bounds__(AaTcCfg<D, MT>::NT, AaTcCfg<D, MT>::MIN_BLOCKS
             float l = l_r[mt][r];
             l += __shfl_xor_sync(0xffffffffu, l, 1);
             l += __shfl_xor_sync(0xffffffffu, l, 2);
-            inv_l[r] = l > 0.f ? inv_keep / l : 0.f;
-            lse_v[r] = l > 0.f ? (m_r[mt][r] + log2f(l)) * (float)AA_LN2 : aa_neg_inf_f();
+            float m = m_r[mt][r];
+            float o_scale = 1.f;
+            if (sinks != nullptr) o_scale = aa_fold_sink(sinks[bh] * (float)AA_LOG2E, m, l);
+            inv_l[r] = l > 0.f ? inv_keep * o_scale / l : 0.f;
+            lse_v[r] = l > 0.f ? (m + log2f(l)) * (float)AA_LN2 : aa_neg_inf_f();
         }
 #pragma unroll
         for (int i = 0; i < NO; ++i) {
@@ -554,6 +578,8 @@ __global__ void __launch_bounds__(AaSimtCfg<T, D>::NT, AaSimtCfg<T, D>::MIN_BLOC
 
     const int b = blockIdx.z, h = blockIdx.y;
     const AaSeq sq = aa_sequence(b, q_lens, kv_lens, cu_q, cu_k, L, S, bottom_right);
+    const long long bh = (long long)b * gridDim.y + h;
+    const T slope2 = alibi != nullptr ? alibi[bh] * (T)AA_LOG2E : (T)0;
     const int r0 = (gridDim.x - 1 - blockIdx.x) * BM;
     if (r0 >= sq.rows_store) return;
     const int rows_valid = sq.q_len - r0;
@@ -654,6 +680,7 @@ __global__ void __launch_bounds__(AaSimtCfg<T, D>::NT, AaSimtCfg<T, D>::MIN_BLOC
                         m_base + (long long)(sq.row_base + i) * m_sr + (long long)(sq.col_base + j) * m_sc;
                     x = aa_score<T, SOFTCAP, MASK>(s[r][c], scale_log2, scale, softcap,
                                                    inv_softcap, mask, m_off);
+                    if (alibi != nullptr) x -= slope2 * (T)aa_alibi_dist(i, j, sq.offset);
                 }
                 s[r][c] = x;
                 mx = mx > x ? mx : x;
@@ -710,12 +737,15 @@ __global__ void __launch_bounds__(AaSimtCfg<T, D>::NT, AaSimtCfg<T, D>::MIN_BLOC
         for (int off = 1; off < 16; off <<= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
         const int row = r0 + ty * RM + r;
         if (row < sq.rows_store) {
-            const T inv = l > (T)0 ? inv_keep / l : (T)0;
+            T m = m_r[r];
+            T o_scale = (T)1;
+            if (sinks != nullptr) o_scale = aa_fold_sink(sinks[bh] * (T)AA_LOG2E, m, l);
+            const T inv = l > (T)0 ? inv_keep * o_scale / l : (T)0;
 #pragma unroll
             for (int c = 0; c < VC; ++c)
                 og[(long long)(sq.row_base + row) * o_sr + tx + 16 * c] = acc[r][c] * inv;
             if (tx == 0)
-                lg[row] = l > (T)0 ? (m_r[r] + log2(l)) * (T)AA_LN2 : aa_neg_inf<T>();
+                lg[row] = l > (T)0 ? (m + log2(l)) * (T)AA_LN2 : aa_neg_inf<T>();
         }
     }
 }

@@ -30,7 +30,9 @@ windows, GQA/MQA, ``q_lengths``/``kv_lengths``, softcap, the seed-defined dropou
 (regenerated, never stored), a dense boolean ``attn_mask`` of any broadcastable shape
 (read through element strides, as the forward kernels read it), any broadcasting of the
 leading dims (inputs are made contiguous; K/V broadcast over batch dims are reduced back
-after the kernels). A float ``attn_mask`` (additive bias) declines: its gradient is a
+after the kernels), ALiBi slopes (the bias recomputed per element from indices), sinks
+(already in the saved LSE; their gradient is a row reduction the caller does). A float
+``attn_mask`` (additive bias) declines: its gradient is a
 dense ``L x S`` array, which the array-API backward computes.
 """
 
@@ -350,6 +352,7 @@ def run_kernels(
     mask: Array | None = None,
     mask_strides: tuple[int, int, int, int] = (0, 0, 0, 0),
     deterministic: bool = False,
+    alibi: Array | None = None,
 ) -> tuple[Array, Array, Array]:
     """The backward on contiguous arrays: ``q (B, Hq, L, E)``, ``k (B, Hkv, S, E)``,
     ``v (B, Hkv, S, Ev)``, ``out``/``d_out (B, Hq, L, Ev)`` in the kernel dtype,
@@ -359,7 +362,9 @@ def run_kernels(
     ``launch`` runs each kernel. ``window`` is ``(left, right)`` with ``-1`` unbounded and
     the causal bound already folded in (``Structure``). ``mask`` is a boolean attn_mask
     as uint8 (nonzero = takes part) read at ``b * s0 + h * s1 + i * s2 + j * s3`` for the
-    element strides ``mask_strides`` (0 on broadcast dims).
+    element strides ``mask_strides`` (0 on broadcast dims). ``alibi`` holds ALiBi slopes,
+    contiguous ``(B * Hq,)`` in the accumulation dtype, or ``None``. Sinks need no
+    argument: ``lse`` includes them.
     """
     B, Hq, L, E = (int(s) for s in q.shape)
     Hkv, S, Ev = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
@@ -389,6 +394,7 @@ def run_kernels(
         u32(seed if dropout else 0), u32(dropout_threshold(dropout_p) if dropout else 0),
         acc_np(1.0 / (1.0 - dropout_p)),
         NULL if mask is None else mask, *(np.int64(st) for st in mask_strides),
+        NULL if alibi is None else alibi,
     )  # fmt: skip
     dk = xp.empty((B, Hkv, S, E), dtype=q.dtype)
     dv = xp.empty((B, Hkv, S, Ev), dtype=q.dtype)
@@ -548,6 +554,8 @@ def backward(
         mask, *strides = _mask_operand(spec, attn_mask, acc)
         mask_strides = tuple(int(x) for x in strides)
 
+    from .fused import per_head_operand  # the forward kernels' layout of the slopes
+
     st = spec.structure
     dq, dk, dv = run_kernels(
         cupy,
@@ -571,6 +579,7 @@ def backward(
         mask=mask,
         mask_strides=mask_strides,
         deterministic=det,
+        alibi=per_head_operand(spec, spec.alibi_slopes, acc),
     )
     return (
         _reduce(spec, dq, spec.q_shape, Hq),

@@ -27,6 +27,9 @@
 //     bool aa_block_full(int r0, int r1, int c0, int c1, int offset, int left, int right,
 //                        int kv_len)             every (i, j) in the block is allowed
 //   Rows with r0 >= r1 or an empty key range give lo >= hi.
+//     int  aa_alibi_dist(int i, int j, int offset)   |i + offset - j|: ALiBi's distance
+//          from the aligned diagonal (FlashAttention's definition); the bias is
+//          -slope * dist, added after the softcap.
 //
 //   Numerics (device only):
 //     float  aa_exp2(float x)     ex2.approx.ftz (x = -inf -> +0)
@@ -150,6 +153,11 @@ AA_HD bool aa_block_full(int r0, int r1, int c0, int c1, int offset, int left, i
     if (left >= 0 && c0 < r1 - 1 + offset - left) return false;
     if (right >= 0 && c1 - 1 > r0 + offset + right) return false;
     return true;
+}
+
+AA_HD int aa_alibi_dist(int i, int j, int offset) {
+    const int d = i + offset - j;
+    return d < 0 ? -d : d;
 }
 
 // ---------------------------------------------------------------------------------------

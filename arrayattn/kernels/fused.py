@@ -10,6 +10,9 @@ What runs in the kernel (``attn_fwd.cu``) and what does not:
   the seed-defined dropout, ``return_lse``, dense bool and float ``attn_mask`` of any
   broadcastable shape (read in the kernel through element strides; a float mask is first
   cast to the kernel's accumulation dtype, a copy of the mask's own, unbroadcast shape).
+* ``sinks`` (folded into each row's denominator at the end of the online softmax) and
+  ``alibi_slopes`` (``-slope * |i + offset - j|`` computed per element from indices: no
+  ``L x S`` bias), read as contiguous ``(batch * Hq,)`` arrays in the accumulation dtype.
 * Fallback rule (``declines``): the kernel declines non-CuPy arrays, other dtypes, head
   dims above 256, 16-bit dtypes on devices older than sm_80, and batch or head counts
   above 65535 (grid limits). ``implementation="auto"`` then moves on to the next path;
@@ -185,6 +188,19 @@ def _mask_operand(spec: AttentionSpec, mask: Any, acc: Any):
     return (m,) + got
 
 
+def per_head_operand(spec: AttentionSpec, x: Any, acc: Any) -> Any:
+    """A per-head array (``sinks``, ``alibi_slopes``, broadcastable to ``(*lead, Hq)``) as
+    the kernels read it: contiguous ``(B * Hq,)`` in the accumulation dtype, or ``None``."""
+    import cupy
+
+    if x is None:
+        return None
+    a = cupy.asarray(x).astype(acc, copy=False)
+    a = a.reshape((1,) * (len(spec.lead) + 1 - a.ndim) + tuple(a.shape))
+    a = cupy.broadcast_to(a, spec.lead + (spec.Hq,))
+    return cupy.ascontiguousarray(a).reshape(spec.batch_size * spec.Hq)
+
+
 def _lengths(spec: AttentionSpec, name: str) -> Any:
     import cupy
 
@@ -233,7 +249,12 @@ class FusedAttention:
         B, Hq, L, S = spec.batch_size, spec.Hq, spec.L, spec.S
         if B == 0 or Hq == 0 or L == 0:
             out = cupy.zeros(spec.out_shape, dtype=spec.dtype)
-            return out, cupy.full(spec.lse_shape, -np.inf, dtype=lse_dtype)
+            lse = cupy.full(spec.lse_shape, -np.inf, dtype=lse_dtype)
+            if spec.sinks is not None and B * Hq * L > 0:  # no key: LSE = the sink
+                sink = per_head_operand(spec, spec.sinks, lse_dtype)
+                lse = cupy.broadcast_to(sink.reshape(spec.lead + (Hq, 1)), spec.lead + (Hq, L))
+                lse = cupy.ascontiguousarray(lse).reshape(spec.lse_shape)
+            return out, lse
 
         softcap = spec.softcap is not None
         dropout = spec.dropout_p > 0.0
@@ -255,6 +276,8 @@ class FusedAttention:
         m_st = (0, 0, 0, 0)
         if attn_mask is not None:
             mask_arr, *m_st = _mask_operand(spec, attn_mask, acc)
+        sinks = per_head_operand(spec, spec.sinks, acc)
+        alibi = per_head_operand(spec, spec.alibi_slopes, acc)
         q_lens = _lengths(spec, "q_len_g")
         kv_lens = _lengths(spec, "kv_len_g")
 
@@ -282,6 +305,8 @@ class FusedAttention:
             np.uint32(spec.seed if dropout else 0),
             np.uint32(dropout_threshold(spec.dropout_p) if dropout else 0),
             acc(1.0 / (1.0 - spec.dropout_p)),
+            null if sinks is None else sinks,
+            null if alibi is None else alibi,
         )  # fmt: skip
         grid = ((L + cfg.block_m - 1) // cfg.block_m, Hq, B)
         kernel(grid, (cfg.threads,), args, shared_mem=cfg.smem_bytes)

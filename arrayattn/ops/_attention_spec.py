@@ -76,6 +76,14 @@ class AttentionSpec:
     q_len_g: Array | None = None
     kv_len_g: Array | None = None
     offset_g: Array | None = None
+    # gpt-oss attention sinks and ALiBi slopes (keyword options sinks / alibi_slopes):
+    # the user's arrays (broadcastable to ``(*lead, Hq)``) and their compute-dtype views
+    # in the grouped layout, ``(*lead or 1s, Hq/G or 1, G or 1, 1, 1)``, which broadcast
+    # against grouped score blocks ``(..., l, s)`` and row statistics ``(..., l, 1)``.
+    sinks: Array | None = None
+    alibi_slopes: Array | None = None
+    sinks_g: Array | None = None
+    alibi_g: Array | None = None
 
     @property
     def has_lengths(self) -> bool:
@@ -198,6 +206,8 @@ def make_spec(
     *,
     q_lengths: Array | None = None,
     kv_lengths: Array | None = None,
+    sinks: Array | None = None,
+    alibi_slopes: Array | None = None,
 ) -> AttentionSpec:
     """Validate an attention call (see ``SEMANTICS.md``) and derive its spec."""
     xp = namespace_of(
@@ -207,6 +217,8 @@ def make_spec(
         attn_mask=attn_mask,
         q_lengths=q_lengths,
         kv_lengths=kv_lengths,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
     )
     for name, x in (("query", query), ("key", key), ("value", value)):
         _check_floating(xp, name, x)
@@ -332,12 +344,15 @@ def make_spec(
         kv_len = kv_len_g if kv_len_g is not None else S
         q_len = q_len_g if q_len_g is not None else L
         offset_g = kv_len - q_len
+    cdtype = compute_dtype(xp, query.dtype)
+    sinks_g = _per_head_g(xp, "sinks", sinks, lead, Hq, G, cdtype)
+    alibi_g = _per_head_g(xp, "alibi_slopes", alibi_slopes, lead, Hq, G, cdtype)
 
     return AttentionSpec(
         xp=xp,
         device=device,
         dtype=query.dtype,
-        cdtype=compute_dtype(xp, query.dtype),
+        cdtype=cdtype,
         q_shape=q_shape,
         k_shape=k_shape,
         v_shape=v_shape,
@@ -362,7 +377,48 @@ def make_spec(
         q_len_g=q_len_g,
         kv_len_g=kv_len_g,
         offset_g=offset_g,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
+        sinks_g=sinks_g,
+        alibi_g=alibi_g,
     )
+
+
+def _per_head_g(
+    xp: Namespace,
+    name: str,
+    x: Array | None,
+    lead: tuple[int, ...],
+    Hq: int,
+    G: int,
+    cdtype: Any,
+) -> Array | None:
+    """Validate a per-head array (``sinks``, ``alibi_slopes``) broadcastable to
+    ``(*lead, Hq)`` and view it in the grouped layout ``(..., Hq/G, G, 1, 1)`` (size-1
+    axes kept where it broadcasts) in the compute dtype. Never copies when the dtype
+    already matches."""
+    if x is None:
+        return None
+    if not is_real_floating(xp, x.dtype):
+        raise TypeError(
+            f"{name} must have a real floating dtype (one value per query head), got {x.dtype}"
+        )
+    shape = tuple(int(d) for d in x.shape)
+    target = lead + (Hq,)
+    try:
+        ok = len(shape) >= 1 and broadcast_shapes(shape, target) == target
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{name} of shape {shape} does not broadcast to (batch..., Hq) = {target}; "
+            f"expected ({Hq},) or a shape broadcastable to {target}"
+        )
+    y = xp.astype(x, cdtype, copy=False)
+    y = xp.reshape(y, (1,) * (len(target) - len(shape)) + shape)
+    heads = y.shape[-1]
+    tail = (Hq // G, G) if heads != 1 else (1, 1)
+    return xp.reshape(y, tuple(y.shape[:-1]) + tail + (1, 1))
 
 
 def _lengths_g(

@@ -12,7 +12,17 @@ from ._attention_spec import AttentionSpec
 from .dropout import dropout_keep
 from .masks import structural_allowed
 
-__all__ = ["forward", "backward", "masked_scores", "dropout_mask"]
+__all__ = [
+    "forward",
+    "backward",
+    "masked_scores",
+    "dropout_mask",
+    "alibi_bias",
+    "merge_sinks",
+    "sink_probability",
+    "sinks_gradient",
+    "reduce_sinks",
+]
 
 RENORMALISE_LSE_ERROR = 1e-4
 """Backward passes renormalise ``exp(S - LSE)`` on rows whose ``|LSE| * eps`` exceeds this:
@@ -83,6 +93,8 @@ def scores_block(
     if spec.softcap is not None:
         tanh = xp.tanh(s / spec.softcap)
         s = tanh * spec.softcap
+    if spec.alibi_g is not None:
+        s = s + alibi_bias(spec, rows, cols)
     allowed = allowed_block(spec, mask_g, rows, cols, check_structure)
     if spec.mask_kind == "float":
         bias = xp.astype(mask_g, spec.cdtype)
@@ -95,6 +107,17 @@ def scores_block(
         if tanh is not None:  # tanh of a garbage score must not reach the chain rule
             tanh = xp.where(allowed, tanh, full_scalar(xp, 0.0, spec.cdtype, spec.device))
     return s, tanh
+
+
+def alibi_bias(spec: AttentionSpec, rows: Array, cols: Array) -> Array:
+    """ALiBi bias ``-slope_h * |i + offset - j|`` of a block (FlashAttention's definition,
+    measured from the aligned diagonal: ``offset`` is ``causal_align``'s, or each
+    sequence's own with lengths), in the grouped layout and compute dtype. Built from the
+    block's indices only: never an ``L x S`` array unless the block is the whole matrix."""
+    xp = spec.xp
+    diag = rows + (spec.structure.offset if spec.offset_g is None else spec.offset_g)
+    dist = xp.astype(xp.abs(diag - cols), spec.cdtype)
+    return -(spec.alibi_g * dist)
 
 
 def finite_or_zero(spec: AttentionSpec, x: Array) -> Array:
@@ -168,11 +191,21 @@ def softmax_with_lse(spec: AttentionSpec, s: Array) -> tuple[Array, Array]:
     # No keys (S = 0): every row is empty and max has no identity. No queries (L = 0):
     # nothing to reduce, but Dask's blockwise max still fails on the empty blocks.
     if 0 in tuple(s.shape):
-        return s, xp.full(tuple(s.shape[:-1]), -float("inf"), dtype=spec.cdtype, device=spec.device)
+        shape = tuple(s.shape[:-1]) + (1,)
+        if spec.sinks_g is None:
+            lse = xp.full(shape, -float("inf"), dtype=spec.cdtype, device=spec.device)
+        else:  # the sink alone: LSE = sink, no probabilities
+            lse = spec.sinks_g + xp.zeros(shape, dtype=spec.cdtype, device=spec.device)
+        return s, lse[..., 0]
     m = xp.max(s, axis=-1, keepdims=True)  # NaN when a score is NaN (max propagates it)
+    if spec.sinks_g is not None:
+        m = xp.maximum(m, spec.sinks_g)
     m = xp.where(xp.isfinite(m), m, zero)  # empty rows: exp(-inf - 0) = 0
     e = xp.exp(s - m)
     total = xp.sum(e, axis=-1, keepdims=True)
+    if spec.sinks_g is not None:
+        # gpt-oss: the sink joins the denominator as one more logit with no value.
+        total = total + xp.exp(spec.sinks_g - m)
     # Empty means a total of exactly 0; a NaN total (a NaN score) keeps LSE NaN, not -inf.
     empty = total == zero
     total_safe = xp.where(empty, one, total)
@@ -193,6 +226,79 @@ def probabilities_from_lse(spec: AttentionSpec, s: Array, lse: Array) -> Array:
     if spec.may_mask:  # exp(-inf - NaN) is NaN: excluded pairs stay 0 on NaN rows too
         p = xp.where(s == neg_inf, zero, p)
     return p
+
+
+def merge_sinks(spec: AttentionSpec, out: Array, lse: Array) -> tuple[Array, Array]:
+    """Fold the sinks into a normalised output and its LSE (grouped layout, compute dtype,
+    ``lse`` with a trailing axis of 1): ``LSE' = logaddexp(LSE, sink)`` and
+    ``out' = out * exp(LSE - LSE')``. A row with no key (LSE ``-inf``) gets output 0 and
+    ``LSE' = sink``. Identity without sinks."""
+    if spec.sinks_g is None:
+        return out, lse
+    xp = spec.xp
+    zero = full_scalar(xp, 0.0, spec.cdtype, spec.device)
+    neg_inf = full_scalar(xp, -float("inf"), spec.cdtype, spec.device)
+    sink = spec.sinks_g
+    m = xp.maximum(lse, sink)
+    m = xp.where(xp.isfinite(m), m, zero)
+    total = xp.exp(lse - m) + xp.exp(sink - m)
+    empty = total == zero  # no key and a -inf sink; a NaN LSE stays NaN
+    new = xp.where(
+        empty,
+        neg_inf,
+        m + xp.log(xp.where(empty, full_scalar(xp, 1.0, spec.cdtype, spec.device), total)),
+    )
+    factor = xp.where(lse == neg_inf, zero, xp.exp(lse - xp.where(xp.isfinite(new), new, zero)))
+    return out * factor, new
+
+
+def sink_probability(spec: AttentionSpec, lse_g: Array) -> Array | None:
+    """``p_sink = exp(sink - LSE)`` per row (grouped, trailing axis 1), 0 where the LSE is
+    ``-inf`` (no sink, no key); ``None`` without sinks."""
+    if spec.sinks_g is None:
+        return None
+    xp = spec.xp
+    zero = full_scalar(xp, 0.0, spec.cdtype, spec.device)
+    finite = xp.isfinite(lse_g)
+    return xp.where(finite, xp.exp(spec.sinks_g - xp.where(finite, lse_g, zero)), zero)
+
+
+def sinks_gradient(
+    spec: AttentionSpec, out: Array, lse: Array, d_out: Array | None, d_lse: Array | None
+) -> Array | None:
+    """Gradient of the sinks, in their own shape and dtype, from the row statistics of any
+    implementation: ``d sink_h = sum_i p_sink_i * (dLSE_i - D_i)`` over the rows of head
+    ``h`` (and the batch dims the sinks broadcast over), with ``D_i = dO_i . O_i`` and
+    ``p_sink_i = exp(sink_h - LSE_i)``. (The sink has no value, so its column of ``dP`` is
+    0 and ``dS_sink = p_sink * (0 - D)``; the LSE includes the sink, hence ``+ p_sink dLSE``.)
+    ``None`` without sinks."""
+    if spec.sinks is None:
+        return None
+    xp = spec.xp
+    cd = spec.cdtype
+    lse_g = xp.astype(_group_lse(spec, lse), cd)
+    p_sink = sink_probability(spec, lse_g)
+    do_g, delta, dl = backward_rows(spec, out, d_out, d_lse)
+    coef = None
+    if delta is not None:
+        coef = -delta
+    if dl is not None:
+        coef = dl if coef is None else coef + dl
+    if coef is None:
+        return xp.zeros(tuple(spec.sinks.shape), dtype=spec.sinks.dtype, device=spec.device)
+    return reduce_sinks(spec, p_sink * coef)
+
+
+def reduce_sinks(spec: AttentionSpec, g: Array) -> Array:
+    """Per-row sink gradients in the grouped layout ``(..., G, L, 1)`` -> summed over the
+    rows (and over what the sinks broadcast over) into the sinks' shape and dtype."""
+    xp = spec.xp
+    full = spec.lead + (spec.Hq // spec.G, spec.G, spec.L, 1)
+    g = xp.sum(spec.ungroup_rows(xp.broadcast_to(g, full)), axis=(-2, -1))  # (*lead, Hq)
+    shape = tuple(int(d) for d in spec.sinks.shape)
+    padded = (1,) * (len(spec.lead) + 1 - len(shape)) + shape
+    g = sum_to_shape(xp, g, padded)
+    return xp.astype(xp.reshape(g, shape), spec.sinks.dtype)
 
 
 def _group_lse(spec: AttentionSpec, x: Array) -> Array:
@@ -273,6 +379,9 @@ def backward(
     # LSE (m + log S == m in floating point): exp(S - LSE) then sums to S, not 1. The whole
     # row is at hand here, so renormalise (a no-op up to rounding for ordinary rows).
     total = xp.sum(p, axis=-1, keepdims=True)
+    p_sink = sink_probability(spec, xp.astype(_group_lse(spec, lse), cd))
+    if p_sink is not None:  # the sink's share belongs to the row's total too
+        total = total + p_sink
     nonempty = total > 0
     p = p / xp.where(nonempty, total, full_scalar(xp, 1.0, cd, spec.device))
 

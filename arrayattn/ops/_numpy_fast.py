@@ -288,7 +288,17 @@ class _Layout:
             self.structs = [dataclasses.replace(st, offset=int(flat[i])) for i in range(nb)]
         self.limit = _STATIC_LIMIT[cd]
         self.tiny = _TINY_SUM[cd]
+        # Per-(batch, query head) sinks and ALiBi slopes, ``(*lead, Hq)`` views.
+        self.sinks = self._per_head(spec.sinks, cd)
+        self.alibi = self._per_head(spec.alibi_slopes, cd)
         self._garbage_ready = False
+
+    def _per_head(self, x, cd):
+        if x is None:
+            return None
+        a = np.asarray(x).astype(cd, copy=False)
+        a = a.reshape((1,) * (len(self.spec.lead) + 1 - a.ndim) + a.shape)
+        return np.broadcast_to(a, self.spec.lead + (self.spec.Hq,))
 
     def _view(self, name, x, shape, nd, tail, cd):
         a = np.asarray(x)
@@ -387,6 +397,48 @@ def _blocked_out(st: Structure, r0: int, r1: int, c0: int, c1: int) -> np.ndarra
             _EXCLUDED_CACHE.clear()
         _EXCLUDED_CACHE[key] = excluded
     return excluded
+
+
+_ALIBI_CACHE: dict[tuple[int, ...], np.ndarray] = {}
+
+
+def _alibi_distance(st: Structure, r0: int, r1: int, c0: int, c1: int, cd) -> np.ndarray:
+    """``|i + offset - j|`` for rows ``[r0, r1)`` x keys ``[c0, c1)`` in ``cd``: ALiBi's
+    distance from the aligned diagonal. It depends only on the block's shape and the
+    diagonal's position, so it is cached like the structural masks."""
+    key = (r1 - r0, c1 - c0, r0 + st.offset - c0, np.dtype(cd).num)
+    dist = _ALIBI_CACHE.get(key)
+    if dist is None:
+        rows = np.arange(r0, r1, dtype=np.int64).reshape(-1, 1) + st.offset
+        dist = np.abs(rows - np.arange(c0, c1, dtype=np.int64)).astype(cd)
+        dist.flags.writeable = False
+        if len(_ALIBI_CACHE) > 512:
+            _ALIBI_CACHE.clear()
+        _ALIBI_CACHE[key] = dist
+    return dist
+
+
+def _add_alibi(lay, structure, b, h, r0, r1, c0, c1, s) -> None:
+    """``s -= slope_(b,h) * |i + offset - j|`` in place (ALiBi, after the softcap)."""
+    if lay.alibi is None:
+        return
+    slope = lay.alibi[b + (h,)]
+    dist = _alibi_distance(structure, r0, r1, c0, c1, s.dtype)
+    np.subtract(s, dist * slope, out=s)
+
+
+def _merge_sinks(lay, out: np.ndarray, lse: np.ndarray) -> None:
+    """Fold the sinks into the whole normalised output and its LSE, in place:
+    ``LSE' = logaddexp(LSE, sink)``, ``out *= exp(LSE - LSE')`` (rows with no key get
+    output 0 and ``LSE' = sink``), as ``_composed.merge_sinks``."""
+    if lay.sinks is None:
+        return
+    sink = lay.sinks[..., None]
+    new = np.logaddexp(lse, sink)
+    # lse -inf (no key): factor 0; a NaN LSE (NaN scores) keeps its NaN row.
+    factor = np.where(lse == -np.inf, 0.0, np.exp(lse - np.where(np.isfinite(new), new, 0.0)))
+    np.multiply(out, factor[..., None].astype(out.dtype, copy=False), out=out)
+    lse[...] = new
 
 
 def _key_spans(st: Structure, r0: int, r1: int, c_lo: int, c_hi: int, width: int):
@@ -498,6 +550,7 @@ def forward(
 
     with np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"):
         _run_units(units, make_state, work, serial)
+        _merge_sinks(lay, out, lse)
 
     out_user = out.astype(spec.dtype, copy=False).reshape(spec.out_shape)
     return out_user, lse.reshape(spec.lse_shape)
@@ -505,8 +558,15 @@ def forward(
 
 def _static_bounds(spec: AttentionSpec, lay: _Layout):
     """Per-(batch, query head, row) upper bound on ``|score|`` (or ``None`` when a float
-    mask rules the static shift out), and the extra log-room the sums need."""
-    if spec.mask_kind == "float":
+    mask rules the static shift out), and the extra log-room the sums need.
+
+    ALiBi with slopes >= 0 keeps the bound: its bias is <= 0, so it only lowers scores,
+    and rows whose sums then underflow are redone on the exact path (forward), while
+    ``exp(S)`` underflowing in the backward means ``P <= exp(-87 + 40)``, far below
+    rounding. A negative slope can raise scores without bound: exact path."""
+    if spec.mask_kind == "float":  # arbitrary additive scores: exact path
+        return None
+    if lay.alibi is not None and not (lay.alibi.size == 0 or float(np.min(lay.alibi)) >= 0.0):
         return None
     q_norm = _norms(lay.q) * abs(spec.scale)  # (*lead, Hq, L)
     k_max = _norms(lay.k).max(axis=-1)  # (*lead, Hkv)
@@ -555,6 +615,7 @@ def _scores(spec, lay, st, structure, b, h, hk, r0, r1, c0, c1, q_t, s):
     if spec.softcap is not None:
         np.tanh(s, out=s)
         np.multiply(s, spec.softcap, out=s)
+    _add_alibi(lay, structure, b, h, r0, r1, c0, c1, s)
     if lay.mask is not None:
         m = lay.mask[b + (h, slice(r0, r1), slice(c0, c1))]
         if spec.mask_kind == "float":
@@ -837,6 +898,8 @@ def _row_totals(spec, lay, lse_f, finite):
                     np.subtract(sc, lse_r[:, None], out=sc)
                     np.exp(sc, out=sc)
                     total += sc.sum(axis=1)
+                if lay.sinks is not None:  # the sink's share is part of the row's total
+                    total += np.exp(lay.sinks[b + (h,)] - lse_r)
                 fix = need[b + (h, slice(r0, r1))] & (total > 0)
                 view = inv[b + (h, slice(r0, r1))]
                 view[fix] = 1.0 / total[fix]
@@ -921,8 +984,11 @@ def _backward_block(spec, ctx, st, structure, bi, b, h, hk, r0, r1, c0, c1, dq, 
     lse_r = ctx["lse_safe"][row]
     static = False
     if ctx["bound"] is not None:
+        # A large sink can lift the LSE far above the scores: exp(-LSE) must stay normal.
         static = (
-            float(ctx["bound"][row].max()) <= ctx["limit"] and float(lse_r.min()) >= -ctx["limit"]
+            float(ctx["bound"][row].max()) <= ctx["limit"]
+            and float(lse_r.min()) >= -ctx["limit"]
+            and float(lse_r.max()) <= 2 * ctx["limit"]
         )
     # Row factor on P: exp(-LSE) on the static path, else the renormalisation of rows
     # whose huge LSE swallowed log(rowsum) (see _row_totals), else none.
@@ -943,6 +1009,7 @@ def _backward_block(spec, ctx, st, structure, bi, b, h, hk, r0, r1, c0, c1, dq, 
         np.multiply(t, spec.softcap, out=e)
     else:
         np.matmul(q_t, k_blk.T, out=e)
+    _add_alibi(lay, structure, b, h, r0, r1, c0, c1, e)
     if lay.mask is not None:
         m = lay.mask[b + (h, slice(r0, r1), slice(c0, c1))]
         if spec.mask_kind == "float":

@@ -134,6 +134,8 @@ def scaled_dot_product_attention(
     implementation: str = "auto",
     q_lengths: Array | None = None,
     kv_lengths: Array | None = None,
+    sinks: Array | None = None,
+    alibi_slopes: Array | None = None,
 ) -> Array | tuple[Array, Array]:
     """Scaled dot-product attention with PyTorch's signature and semantics, plus
     FlashAttention's options.
@@ -144,11 +146,7 @@ def scaled_dot_product_attention(
     float32 (float64 for float64 inputs).
 
     Args:
-        query: ``(..., Hq, L, E)``, real floating; ``key`` and ``value`` have its dtype,
-            library and device.
-        key: ``(..., Hkv, S, E)``; ``Hq`` a multiple of ``Hkv`` with ``enable_gqa=True``,
-            else equal to it.
-        value: ``(..., Hkv, S, Ev)``.
+        query, key, value: real floating arrays of one dtype, library and device.
         attn_mask: bool (``True`` = takes part) or float (added to the scores),
             broadcastable to ``(..., Hq, L, S)``. Combined with ``is_causal`` by AND.
         dropout_p: probability in ``[0, 1)`` of dropping an attention probability; the
@@ -172,19 +170,32 @@ def scaled_dot_product_attention(
             the call), then ``"chunked"`` when the composed path's score matrix,
             ``batch * Hq * L * S * 4`` bytes (8 for float64), would exceed
             ``arrayattn.ops.chunked.AUTO_CHUNK_BYTES`` (256 MiB), else ``"composed"``.
-        q_lengths: optional integer array of the broadcast batch shape (``(B,)`` for
-            4-D inputs; ``()`` for 3-D), same library and device: the number of valid
-            queries of each sequence (padding at the end; clipped to ``[0, L]``). Query
-            rows ``i >= q_lengths[b]`` are empty (output 0, LSE ``-inf``, zero
-            gradients). ``None``: all ``L`` rows are valid.
-        kv_lengths: optional integer array like ``q_lengths``: the number of valid keys
-            of each sequence (clipped to ``[0, S]``); keys ``j >= kv_lengths[b]`` are
-            masked. ``None``: all ``S`` keys are valid. With
-            ``causal_align="bottom_right"`` each sequence's diagonal is offset by
-            ``kv_lengths[b] - q_lengths[b]`` (FlashAttention's varlen semantics);
-            ``"top_left"`` keeps offset 0. No dense mask is built.
+        q_lengths, kv_lengths: optional integer arrays of the broadcast batch shape
+            (``(B,)`` for 4-D inputs; ``()`` for 3-D), same library and device: the
+            number of valid queries / keys of each sequence (padding at the end; values
+            are clipped to ``[0, L]`` / ``[0, S]``). Keys ``j >= kv_lengths[b]`` are
+            masked; query rows ``i >= q_lengths[b]`` are empty (output 0, LSE ``-inf``
+            or the sink with ``sinks``, zero gradients). With
+            ``causal_align="bottom_right"`` each sequence's
+            diagonal is offset by ``kv_lengths[b] - q_lengths[b]`` (FlashAttention's
+            varlen semantics); ``"top_left"`` keeps offset 0. No dense mask is built.
+        sinks: learnable attention sinks (gpt-oss): one logit per query head, shape
+            ``(Hq,)`` or broadcastable to ``(..., Hq)``, floating, same library and
+            device. Each joins its head's softmax denominator as an extra logit with no
+            value: ``p_ij = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij))``, so rows may
+            sum to less than 1. The LSE includes the sink; a row whose keys are all masked
+            gives output 0 and LSE ``sink_h`` (finite). Differentiable: :func:`arrayattn.vjp`
+            returns its gradient in a trailing dict, ``pullback(g)[-1]["sinks"]``.
+        alibi_slopes: ALiBi slopes, shape ``(Hq,)`` or ``(B, Hq)`` (broadcastable to
+            ``(..., Hq)``): adds ``-slope_h * |i + offset - j|`` to the scores after the
+            softcap, where ``offset`` is the aligned diagonal of ``causal_align`` (0
+            top-left, ``S - L`` bottom-right; per sequence with lengths). This is
+            FlashAttention's definition: ``causal_align="bottom_right"`` matches FA's
+            ``alibi_slopes`` (for causal calls its outputs; FA's causal LSE differs by a
+            per-row constant). No ``L x S`` bias is built on the chunked, fast and fused
+            paths. The slopes are constants: no gradient is returned for them.
 
-    Rows with no key left return 0 (and LSE ``-inf``), never NaN.
+    Rows with no key left return 0 (and LSE ``-inf``, or the sink), never NaN.
 
     Examples:
         >>> import numpy as np
@@ -196,6 +207,16 @@ def scaled_dot_product_attention(
         ...     q, kv, kv, is_causal=True, enable_gqa=True, return_lse=True)
         >>> out.shape, lse.shape, out.dtype, lse.dtype
         ((2, 8, 16, 64), (2, 8, 16), dtype('float32'), dtype('float32'))
+
+        Sinks (gpt-oss) and ALiBi (BLOOM) with their gradients:
+
+        >>> sinks = np.zeros(8, dtype=np.float32)
+        >>> slopes = 2.0 ** -np.arange(1, 9, dtype=np.float32)
+        >>> out, pullback = aa.vjp(aa.scaled_dot_product_attention, q, kv, kv,
+        ...     is_causal=True, enable_gqa=True, sinks=sinks, alibi_slopes=slopes)
+        >>> dq, dk, dv, keyword_grads = pullback(np.ones_like(out))
+        >>> keyword_grads["sinks"].shape
+        (8,)
     """
     spec = make_spec(
         query,
@@ -212,6 +233,8 @@ def scaled_dot_product_attention(
         seed,
         q_lengths=q_lengths,
         kv_lengths=kv_lengths,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
     )
     out, lse = _select(spec, implementation).forward(spec, query, key, value, attn_mask)
     return (out, lse) if return_lse else out
@@ -236,6 +259,8 @@ def _sdpa_vjp(
     implementation: str = "auto",
     q_lengths: Array | None = None,
     kv_lengths: Array | None = None,
+    sinks: Array | None = None,
+    alibi_slopes: Array | None = None,
 ):
     spec = make_spec(
         query,
@@ -252,6 +277,8 @@ def _sdpa_vjp(
         seed,
         q_lengths=q_lengths,
         kv_lengths=kv_lengths,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
     )
     impl = _select(spec, implementation)
     out, lse = impl.forward(spec, query, key, value, attn_mask)
@@ -261,7 +288,12 @@ def _sdpa_vjp(
         dq, dk, dv, dmask = impl.backward(
             spec, query, key, value, attn_mask, out, lse, d_out, d_lse
         )
-        return dq, dk, dv, dmask
+        if spec.sinks is None:
+            return dq, dk, dv, dmask
+        # The sinks' gradient needs only row statistics (LSE, dO . O, dLSE), the same on
+        # every implementation, so it is computed once here.
+        d_sinks = _composed.sinks_gradient(spec, out, lse, d_out, d_lse)
+        return dq, dk, dv, dmask, {"sinks": d_sinks}
 
     return ((out, lse) if return_lse else out), pullback
 
@@ -306,13 +338,18 @@ def attention_weights(
     seed: int | None = None,
     q_lengths: Array | None = None,
     kv_lengths: Array | None = None,
+    sinks: Array | None = None,
+    alibi_slopes: Array | None = None,
 ) -> Array:
     """The attention probabilities ``(..., Hq, L, S)`` that
     :func:`scaled_dot_product_attention` with the same arguments multiplies into
     ``value`` (after dropout, when ``dropout_p > 0`` with the same ``seed``), in the
     input dtype. This is what ``need_weights`` / ``output_attentions`` give: it builds the
     whole ``L x S`` matrix, so use it for inspection, not for long sequences.
-    ``q_lengths``/``kv_lengths`` as in :func:`scaled_dot_product_attention`.
+    ``q_lengths``/``kv_lengths``, ``sinks`` and ``alibi_slopes`` as in
+    :func:`scaled_dot_product_attention`: with sinks each row sums to
+    ``1 - exp(sink_h - LSE_i)`` (the sink's column is left out, as gpt-oss does), and
+    ``vjp`` returns the sinks' gradient in a trailing dict.
 
     Examples:
         >>> import numpy as np
@@ -337,6 +374,8 @@ def attention_weights(
         seed=seed,
         q_lengths=q_lengths,
         kv_lengths=kv_lengths,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
     )
     return weights
 
@@ -355,6 +394,8 @@ def _weights_spec(
     seed,
     q_lengths=None,
     kv_lengths=None,
+    sinks=None,
+    alibi_slopes=None,
 ) -> AttentionSpec:
     # The value plays no part in the weights; key stands in for it (same S, Ev = E).
     return make_spec(
@@ -372,6 +413,8 @@ def _weights_spec(
         seed,
         q_lengths=q_lengths,
         kv_lengths=kv_lengths,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
     )
 
 
@@ -398,6 +441,8 @@ def _attention_weights_vjp(
     seed: int | None = None,
     q_lengths: Array | None = None,
     kv_lengths: Array | None = None,
+    sinks: Array | None = None,
+    alibi_slopes: Array | None = None,
 ):
     spec = _weights_spec(
         query,
@@ -413,10 +458,13 @@ def _attention_weights_vjp(
         seed,
         q_lengths,
         kv_lengths,
+        sinks,
+        alibi_slopes,
     )
     xp = spec.xp
     s, tanh, qg, kg = _composed.masked_scores(spec, query, key, attn_mask)
-    p, _ = _composed.softmax_with_lse(spec, s)
+    p, lse = _composed.softmax_with_lse(spec, s)
+    lse_g = xp.expand_dims(lse, axis=-1)
     rows_cols = None
     if spec.dropout_p > 0:
         rows_cols = _composed.index_block(spec, 0, spec.L, 0, spec.S)
@@ -430,10 +478,16 @@ def _attention_weights_vjp(
         dw = xp.astype(spec.group_rows(d_weights, shape), spec.cdtype)
         if rows_cols is not None:
             dw = _composed.apply_dropout(spec, dw, *rows_cols)
-        ds = p * (dw - xp.sum(dw * p, axis=-1, keepdims=True))
+        row = xp.sum(dw * p, axis=-1, keepdims=True)
+        ds = p * (dw - row)
         # Garbage in excluded keys (or empty query rows) must not meet ds's zeros.
         qc, kc = _composed.finite_or_zero(spec, qg), _composed.finite_or_zero(spec, kg)
-        return _composed.scores_pullback(spec, qc, kc, ds, tanh, attn_mask)
+        grads = _composed.scores_pullback(spec, qc, kc, ds, tanh, attn_mask)
+        if spec.sinks is None:
+            return grads
+        # d sink_h = sum_ij dW_ij * dP_ij/d sink = -sum_i p_sink_i * rowsum(dW * P)_i.
+        p_sink = _composed.sink_probability(spec, lse_g)
+        return grads + ({"sinks": _composed.reduce_sinks(spec, -(p_sink * row))},)
 
     return out, pullback
 

@@ -195,8 +195,13 @@ def forward(
         empty = total == zero
         total_safe = xp.where(empty, one, total)
         m_safe = xp.where(xp.isfinite(m), m, zero)
-        outs.append(_composed.poison_rows(spec, acc / total_safe, touched))
-        lses.append(xp.where(empty, neg_inf, m_safe + xp.log(total_safe)))
+        out_blk, lse_blk = _composed.merge_sinks(
+            spec,
+            _composed.poison_rows(spec, acc / total_safe, touched),
+            xp.where(empty, neg_inf, m_safe + xp.log(total_safe)),
+        )
+        outs.append(out_blk)
+        lses.append(lse_blk)
     out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
     lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=-2)
     out = spec.ungroup_out(xp.astype(out, spec.dtype, copy=False))
@@ -350,6 +355,9 @@ def _row_totals(
         total = part if total is None else total + part
     if total is None:
         return None
+    p_sink = _composed.sink_probability(spec, lse_blk)
+    if p_sink is not None:  # the sink's share is part of the row's total
+        total = total + p_sink
     one = full_scalar(xp, 1.0, cd, spec.device)
     return xp.where(xp.logical_and(need, total > 0), total, one)
 

@@ -162,12 +162,19 @@ def _setup(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return xp, pq, pk
 
 
-def _empty_result(xp: Namespace, query: Array, value: Array) -> tuple[Array, Array]:
+def _empty_result(
+    xp: Namespace, query: Array, value: Array, sinks: Array | None = None
+) -> tuple[Array, Array]:
     dev = device_of(query)
     hq, tq = int(query.shape[0]), int(query.shape[1])
     hq = max(hq, int(value.shape[0]))
     out = xp.zeros((hq, tq, int(value.shape[-1])), dtype=query.dtype, device=dev)
-    lse = xp.full((hq, tq), -math.inf, dtype=lse_dtype(xp, query.dtype), device=dev)
+    ldt = lse_dtype(xp, query.dtype)
+    if sinks is None:
+        lse = xp.full((hq, tq), -math.inf, dtype=ldt, device=dev)
+    else:  # rows with no key but a sink: LSE = sink
+        sink = xp.reshape(xp.astype(sinks, ldt), (int(sinks.shape[-1]), 1))
+        lse = xp.broadcast_to(sink, (hq, tq))
     return out, lse
 
 
@@ -189,6 +196,8 @@ def varlen_attention(
     seed: int | None = None,
     return_lse: bool = False,
     implementation: str = "auto",
+    sinks: Array | None = None,
+    alibi_slopes: Array | None = None,
 ) -> Array | tuple[Array, Array]:
     """Attention over a packed batch of variable-length sequences.
 
@@ -205,7 +214,10 @@ def varlen_attention(
     last key (FlashAttention's varlen semantics). Dropout uses batch index = sequence
     index and positions within the sequence, so it equals the padded call
     ``scaled_dot_product_attention(..., q_lengths=, kv_lengths=)`` with the same seed.
-    Other options as in :func:`~arrayattn.ops.attention.scaled_dot_product_attention`.
+    Other options as in :func:`~arrayattn.ops.attention.scaled_dot_product_attention`;
+    ``sinks`` are ``(Hq,)`` (their gradient, from :func:`arrayattn.vjp`, sums over the
+    sequences) and ``alibi_slopes`` ``(Hq,)`` or per sequence ``(n, Hq)``, measured from
+    each sequence's own diagonal.
 
     ``max_seqlen_q``/``max_seqlen_k`` (Python ints, the longest sequence) size the padded
     batch; when left ``None`` they are read from ``cu_seqlens`` (a device->host sync,
@@ -241,6 +253,8 @@ def varlen_attention(
             softcap=softcap,
             seed=seed,
             implementation=implementation,
+            sinks=sinks,
+            alibi_slopes=alibi_slopes,
         ),
         differentiate=False,
     )[0]
@@ -266,13 +280,18 @@ def _varlen(query, key, value, cu_q, cu_k, max_q, max_k, options, differentiate)
         options["window"],
         options["softcap"],
         options["seed"],
+        sinks=options["sinks"],
+        # Per-sequence slopes (n, Hq) are checked by the padded call, whose batch is n.
+        alibi_slopes=None
+        if options["alibi_slopes"] is None or options["alibi_slopes"].ndim > 1
+        else options["alibi_slopes"],
     )
     if options["implementation"] not in implementations():
         raise ValueError(
             f"implementation must be one of {implementations()}, got {options['implementation']!r}"
         )
     if pq.degenerate or pk.degenerate:
-        return _empty_result(xp, query, value), None, (pq, pk)
+        return _empty_result(xp, query, value, options["sinks"]), None, (pq, pk)
     qp, kp, vp = _pad(xp, query, pq), _pad(xp, key, pk), _pad(xp, value, pk)
     kwargs = dict(options, enable_gqa=gqa, return_lse=True)
     kwargs.update(q_lengths=pq.lengths, kv_lengths=pk.lengths)
@@ -305,6 +324,8 @@ def _varlen_vjp(
     seed: int | None = None,
     return_lse: bool = False,
     implementation: str = "auto",
+    sinks: Array | None = None,
+    alibi_slopes: Array | None = None,
 ):
     options = dict(
         dropout_p=dropout_p,
@@ -315,6 +336,8 @@ def _varlen_vjp(
         softcap=softcap,
         seed=seed,
         implementation=implementation,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
     )
     (out, lse), pad_pullback, (pq, pk) = _varlen(
         query,
@@ -336,12 +359,19 @@ def _varlen_vjp(
                 xp.zeros(tuple(x.shape), dtype=x.dtype, device=device_of(x))
                 for x in (query, key, value)
             )
+            if sinks is not None:
+                zero = xp.zeros(tuple(sinks.shape), dtype=sinks.dtype, device=device_of(sinks))
+                return zeros + (None, None, {"sinks": zero})
             return zeros + (None, None)
         d_out_p = None if d_out is None else _pad(xp, d_out, pq, valid=True)
         d_lse_p = None
         if d_lse is not None:
             d_lse_p = _pad(xp, xp.expand_dims(d_lse, axis=-1), pq, valid=True)[..., 0]
-        dq_p, dk_p, dv_p = pad_pullback((d_out_p, d_lse_p))[:3]
-        return _unpad(xp, dq_p, pq), _unpad(xp, dk_p, pk), _unpad(xp, dv_p, pk), None, None
+        grads = pad_pullback((d_out_p, d_lse_p))
+        dq_p, dk_p, dv_p = grads[:3]
+        result = (_unpad(xp, dq_p, pq), _unpad(xp, dk_p, pk), _unpad(xp, dv_p, pk), None, None)
+        if sinks is not None:
+            result = result + (grads[-1],)  # {"sinks": ...}, summed over the sequences
+        return result
 
     return ((out, lse) if return_lse else out), pullback

@@ -13,8 +13,9 @@ __all__ = ["reference"]
 
 
 def reference(q, k, v, d_out, d_lse, *, scale, softcap, causal, align, window, q_lens, k_lens,
-              dropout_p, seed, mask=None):  # fmt: skip
-    """Forward (out, lse) and backward (dq, dk, dv) in float64, dense and explicit."""
+              dropout_p, seed, mask=None, sinks=None, alibi=None):  # fmt: skip
+    """Forward (out, lse) and backward (dq, dk, dv) in float64, dense and explicit.
+    ``sinks`` (gpt-oss logits) and ``alibi`` (slopes) are ``(B, Hq)`` or ``None``."""
     q, k, v, d_out = (np.asarray(x, np.float64) for x in (q, k, v, d_out))
     B, Hq, L, E = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -23,6 +24,7 @@ def reference(q, k, v, d_out, d_lse, *, scale, softcap, causal, align, window, q
     i = np.arange(L)[:, None]
     j = np.arange(S)[None, :]
     allowed = np.ones((B, 1, L, S), dtype=bool)
+    dist = np.zeros((B, 1, L, S))
     for b in range(B):
         ql = L if q_lens is None else int(q_lens[b])
         kl = S if k_lens is None else int(k_lens[b])
@@ -36,16 +38,24 @@ def reference(q, k, v, d_out, d_lse, *, scale, softcap, causal, align, window, q
         if right >= 0:
             a &= j <= i + off + right
         allowed[b, 0] = a
+        dist[b, 0] = np.abs(i + off - j)  # ALiBi: distance from the aligned diagonal
     if mask is not None:  # boolean attn_mask, True = takes part
         allowed = allowed & np.asarray(mask, dtype=bool)
     raw = (q @ np.swapaxes(kr, -1, -2)) * scale
     t = np.tanh(raw / softcap) if softcap else None
     s = softcap * t if softcap else raw
+    if alibi is not None:
+        s = s - np.asarray(alibi, np.float64)[:, :, None, None] * dist
     s = np.where(allowed, s, -np.inf)
     m = s.max(-1, keepdims=True)
+    if sinks is not None:  # one more logit per head, with no value
+        sk = np.asarray(sinks, np.float64)[:, :, None, None]
+        m = np.maximum(m, sk)
     m = np.where(np.isfinite(m), m, 0.0)
     e = np.exp(s - m)
     tot = e.sum(-1, keepdims=True)
+    if sinks is not None:
+        tot = tot + np.exp(sk - m)
     p = np.where(tot > 0, e / np.where(tot > 0, tot, 1.0), 0.0)
     lse = np.where(tot > 0, m + np.log(np.where(tot > 0, tot, 1.0)), -np.inf)[..., 0]
     if dropout_p > 0:

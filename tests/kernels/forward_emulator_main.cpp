@@ -19,12 +19,13 @@ int main(int argc, char** argv) {
     if (argc != 3) return 2;
     std::FILE* f = std::fopen(argv[1], "rb");
     if (!f) return 2;
-    auto hi = read_vec<long long>(f, 20);
+    auto hi = read_vec<long long>(f, 22);
     auto hd = read_vec<double>(f, 4);
     const long long B = hi[0], Hq = hi[1], Hkv = hi[2], L = hi[3], S = hi[4], D = hi[5],
                     G = hi[6], br = hi[7], left = hi[8], right = hi[9], mask_kind = hi[10],
                     mask_b = hi[11], mask_h = hi[12], has_ql = hi[13], has_kl = hi[14],
-                    seed = hi[15], thr = hi[16], bshd = hi[17];
+                    seed = hi[15], thr = hi[16], bshd = hi[17], has_sinks = hi[20],
+                    has_alibi = hi[21];
     const double scale = hd[0], cap = hd[1], inv_keep = hd[2];
     auto q = read_vec<AA_TIO>(f, B * Hq * L * D);
     auto k = read_vec<AA_TIO>(f, B * Hkv * S * D);
@@ -38,6 +39,9 @@ int main(int argc, char** argv) {
     std::vector<int> ql, kl;
     if (has_ql) ql = read_vec<int>(f, B);
     if (has_kl) kl = read_vec<int>(f, B);
+    std::vector<AA_TACC> sinks, alibi;  // (B, Hq) each, in the accumulation type
+    if (has_sinks) sinks = read_vec<AA_TACC>(f, B * Hq);
+    if (has_alibi) alibi = read_vec<AA_TACC>(f, B * Hq);
     std::fclose(f);
 
     using Cfg = AA_CFG;
@@ -65,7 +69,8 @@ int main(int argc, char** argv) {
                   q_sb, q_sh, q_sr, k_sb, k_sh, k_sr, k_sb, k_sh, k_sr, Hq * L * D, L * D, D,
                   Hq * L, L, m_sb, m_sh, S, 1, (int)L, (int)S, (int)G, (int)br, (int)left,
                   (int)right, (AA_TACC)(scale * AA_LOG2E), (AA_TACC)scale, capv,
-                  (AA_TACC)(1.0 / capv), (aa_u32)seed, (aa_u32)thr, (AA_TACC)inv_keep);
+                  (AA_TACC)(1.0 / capv), (aa_u32)seed, (aa_u32)thr, (AA_TACC)inv_keep,
+                  has_sinks ? sinks.data() : nullptr, has_alibi ? alibi.data() : nullptr);
     });
     (void)log2e;
     std::FILE* g = std::fopen(argv[2], "wb");

@@ -77,10 +77,26 @@ CASES = {
     "empty_rows": dict(
         causal=True, align="bottom_right", L=45, S=20, q_lens=(45, 3), k_lens=(0, 20)
     ),
+    # gpt-oss sinks (only through the saved LSE) and ALiBi slopes (recomputed bias), with
+    # GQA, bottom-right lengths, a sequence with no key (the sink alone) and dLSE.
+    "sinks_alibi": dict(
+        causal=True,
+        align="bottom_right",
+        Hq=4,
+        Hkv=2,
+        q_lens=(37, 20),
+        k_lens=(70, 0),
+        d_lse=True,
+        sinks=True,
+        alibi=True,
+    ),
     # Small enough for ThreadSanitizer (one block spawns up to 256 OS threads), still
     # several query and key blocks (bottom-right: the last rows see both key blocks) with
     # ragged tails, causal skipping and a GQA group.
-    "race": dict(B=1, Hq=2, Hkv=1, L=37, S=70, causal=True, align="bottom_right"),
+    # (With sinks and ALiBi, so their code runs under ThreadSanitizer too.)
+    "race": dict(
+        B=1, Hq=2, Hkv=1, L=37, S=70, causal=True, align="bottom_right", sinks=True, alibi=True
+    ),
 }
 
 
@@ -101,6 +117,8 @@ def run_case(library, kind, case, *, deterministic, seed=0, E=24, Ev=32):
         seed=0,
         d_lse=False,
         mask=False,
+        sinks=False,
+        alibi=False,
     )
     c.update(CASES[case])
     rng = np.random.default_rng(seed)
@@ -121,12 +139,17 @@ def run_case(library, kind, case, *, deterministic, seed=0, E=24, Ev=32):
     if c["mask"]:
         mask = rng.random((B, 1, L, S)) < 0.7
         mask[:, :, ::7] = False
+    acc = np.float64 if kind == "float64" else np.float32
+    sinks = rng.standard_normal((B, Hq)).astype(acc) if c["sinks"] else None
+    alibi = None
+    if c["alibi"]:
+        alibi = (2.0 ** -np.arange(1.0, Hq + 1))[None, :] * (1.0 + np.arange(B))[:, None]
+        alibi = alibi.astype(acc)
     opts = dict(scale=scale, softcap=c["softcap"], causal=c["causal"], align=c["align"],
                 window=c["window"], q_lens=q_lens, k_lens=k_lens, dropout_p=c["dropout_p"],
-                seed=c["seed"], mask=mask)  # fmt: skip
+                seed=c["seed"], mask=mask, sinks=sinks, alibi=alibi)  # fmt: skip
     out, lse, dq_ref, dk_ref, dv_ref = reference(q, k, v, d_out, d_lse, **opts)
 
-    acc = np.float64 if kind == "float64" else np.float32
     plan = backward_plan(kind, E, Ev)
     right = c["window"][1]
     if c["causal"]:
@@ -154,6 +177,7 @@ def run_case(library, kind, case, *, deterministic, seed=0, E=24, Ev=32):
         mask=None if mask is None else mask.astype(np.uint8),
         mask_strides=(L * S, 0, S, 1),
         deterministic=deterministic,
+        alibi=None if alibi is None else np.ascontiguousarray(alibi.reshape(-1)),
     )
     got = tuple(from_kernel(x, kind) for x in (dq, dk, dv))
     return got, (dq_ref, dk_ref, dv_ref), launch

@@ -86,13 +86,23 @@ CASES = {
     "dropout_dlse": dict(dropout_p=0.2, seed=7, d_lse=True),
     "lengths": dict(causal=True, align="bottom_right", lengths=((300, 5), (517, 0))),
     "bool_mask": dict(causal=True, Hq=8, Hkv=2, mask=True),
+    # gpt-oss sinks (in the saved LSE) and per-batch ALiBi slopes (recomputed bias)
+    "sinks_alibi": dict(
+        causal=True,
+        align="bottom_right",
+        Hq=8,
+        Hkv=2,
+        d_lse=True,
+        sinks_alibi=True,
+        lengths=((300, 5), (517, 0)),
+    ),  # fmt: skip
 }
 
 
 def _run(kind, case, E=64, Ev=64, deterministic=False, seed=0):
     c = dict(B=2, Hq=4, Hkv=4, L=300, S=517, causal=False, align="top_left", window=None,
              softcap=None, dropout_p=0.0, seed=0, d_lse=False, lengths=None,
-             mask=False)  # fmt: skip
+             mask=False, sinks_alibi=False)  # fmt: skip
     c.update(CASES[case])
     rng = np.random.default_rng(seed)
     (qh, kh, vh), (q, k, v) = _inputs(rng, kind, c["B"], c["Hq"], c["Hkv"], c["L"], c["S"], E, Ev)
@@ -106,6 +116,13 @@ def _run(kind, case, E=64, Ev=64, deterministic=False, seed=0):
         q_lens = np.asarray(c["lengths"][0], np.int32)
         k_lens = np.asarray(c["lengths"][1], np.int32)
         kw.update(q_lengths=cupy.asarray(q_lens), kv_lengths=cupy.asarray(k_lens))
+    sinks_h = slopes_h = None
+    if c["sinks_alibi"]:
+        acc = "float64" if kind == "float64" else "float32"
+        sinks_h = rng.standard_normal(c["Hq"]).astype(acc)
+        base = 2.0 ** -np.arange(1.0, c["Hq"] + 1)
+        slopes_h = (base[None, :] * (1.0 + np.arange(c["B"]))[:, None]).astype(acc)
+        kw.update(sinks=cupy.asarray(sinks_h), alibi_slopes=cupy.asarray(slopes_h))
     mask_h = None
     args = (q, k, v)
     if c["mask"]:  # boolean (L, S) mask broadcast over batch and heads, some rows empty
@@ -119,14 +136,24 @@ def _run(kind, case, E=64, Ev=64, deterministic=False, seed=0):
         doh = cupy.asnumpy(d_out.astype(cupy.float64))
         dlh = rng.standard_normal(lse.shape) if c["d_lse"] else None
         d_lse = None if dlh is None else cupy.asarray(dlh).astype(lse.dtype)
-        dq, dk, dv = pullback((d_out, d_lse))[:3]
+        grads = pullback((d_out, d_lse))
+        dq, dk, dv = grads[:3]
     ref = reference(
         qh, kh, vh, doh, dlh, scale=1.0 / math.sqrt(E), softcap=c["softcap"],
         causal=c["causal"], align=c["align"], window=c["window"] or (-1, -1),
         q_lens=q_lens, k_lens=k_lens, dropout_p=c["dropout_p"], seed=c["seed"],
         mask=mask_h,
+        sinks=None if sinks_h is None else np.broadcast_to(sinks_h, (c["B"], c["Hq"])),
+        alibi=slopes_h,
     )  # fmt: skip
     got = [cupy.asnumpy(x.astype(cupy.float64)) for x in (dq, dk, dv)]
+    if sinks_h is not None:  # the sinks' gradient against the float64 composed path
+        kw64 = {n: cupy.asnumpy(x) if isinstance(x, cupy.ndarray) else x for n, x in kw.items()}
+        kw64.update(implementation="composed", sinks=sinks_h.astype(np.float64))
+        _, pb64 = aa.vjp(aa.scaled_dot_product_attention, qh, kh, vh, **kw64)
+        want = pb64((doh, dlh))[-1]["sinks"]
+        d_sinks = cupy.asnumpy(grads[-1]["sinks"]).astype(np.float64)
+        assert rel(d_sinks, want) <= (1e-10 if kind == "float64" else 2e-2), rel(d_sinks, want)
     return got, ref[2:], (qh, kh, vh, doh), c
 
 

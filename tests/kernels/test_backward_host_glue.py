@@ -77,6 +77,13 @@ CASES = {
     "bool_mask": ((2, 2, 19, 16), (2, 1, 21, 16), (2, 1, 21, 16), dict(mask=(19, 21))),
     # boolean attn_mask per batch and head (batch, heads, L, S)
     "bool_mask_full": ((2, 2, 9, 16), (2, 2, 13, 16), (2, 2, 13, 16), dict(mask=(2, 2, 9, 13))),
+    # sinks (Hq,) through the saved LSE and per-batch ALiBi slopes (B, Hq), GQA, lengths
+    "sinks_alibi": (
+        (2, 4, 19, 16),
+        (2, 2, 23, 16),
+        (2, 2, 23, 16),
+        dict(is_causal=True, causal_align="bottom_right", lengths=True, sinks=True),
+    ),
 }
 
 
@@ -97,6 +104,9 @@ def test_backward_glue_matches_composed(kernels_on_host, case, kind, determinist
     if opts.pop("lengths", False):
         opts["q_lengths"] = np.array([20, 7], dtype=np.int32)
         opts["kv_lengths"] = np.array([11, 25], dtype=np.int32)
+    if opts.pop("sinks", False):
+        opts["sinks"] = rng.standard_normal(qs[-3]).astype(dt)
+        opts["alibi_slopes"] = rng.random((qs[0], qs[-3])).astype(dt)
     (out, lse), pullback = aa.vjp(
         aa.scaled_dot_product_attention,
         q,
@@ -126,6 +136,8 @@ def test_backward_glue_matches_composed(kernels_on_host, case, kind, determinist
         opts.get("seed"),
         q_lengths=opts.get("q_lengths"),
         kv_lengths=opts.get("kv_lengths"),
+        sinks=opts.get("sinks"),
+        alibi_slopes=opts.get("alibi_slopes"),
     )
     got = bwd.backward(
         spec, q, k, v, attn_mask, out, lse, d_out, d_lse, deterministic=deterministic

@@ -54,6 +54,8 @@ class Case:
     bshd: bool = False  # q/k/v stored (B, L, H, D): strided rows
     seed: int = 1234
     mt: int | None = None  # tensor-core row tiles per warp (None: the default)
+    sinks: bool = False  # gpt-oss sinks, one logit per (batch, head)
+    alibi: bool = False  # ALiBi slopes, one per (batch, head)
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
     @property
@@ -146,6 +148,41 @@ CASES = {
         kv_lens=(60, 80),
         mask_kind=2,
         bshd=True,
+    ),
+    # Sinks and ALiBi (runtime options of the same instantiations): with empty rows
+    # (a masked row, rows past q_len, a sequence with no key) where the sink alone is left.
+    "f16_d64_sinks_alibi_causal_br_lengths": Case(
+        "float16",
+        64,
+        B=2,
+        Hq=2,
+        Hkv=1,
+        L=70,
+        S=200,
+        causal=True,
+        bottom_right=True,
+        q_lens=(70, 33),
+        kv_lens=(200, 0),
+        sinks=True,
+        alibi=True,
+    ),
+    "bf16_d128_sinks_alibi_window_dropout_boolmask": Case(
+        "bfloat16",
+        128,
+        Hq=2,
+        L=140,
+        S=100,
+        window=(30, 10),
+        dropout_p=0.1,
+        mask_kind=1,
+        sinks=True,
+        alibi=True,
+    ),
+    "f32_d64_sinks_alibi_softcap_gqa": Case(
+        "float32", 64, Hq=4, Hkv=2, L=100, S=90, softcap=5.0, sinks=True, alibi=True
+    ),
+    "f64_d32_sinks_alibi_floatmask_tl": Case(
+        "float64", 32, B=2, Hq=2, L=45, S=80, causal=True, mask_kind=2, sinks=True, alibi=True
     ),
 }
 
@@ -269,6 +306,15 @@ def _inputs(case: Case, rng: np.random.Generator):
             mask = rng.standard_normal(mshape)
             mask[..., 5, ::3] = -np.inf
             mask = mask.astype(np.float64 if case.kind == "float64" else np.float32)
+    acc = np.float64 if case.kind == "float64" else np.float32
+    if case.sinks:  # (B, Hq) logits around the scores' scale, one very large
+        sinks = (rng.standard_normal((case.B, case.Hq)) * 2.0).astype(acc)
+        sinks[0, 0] = 30.0
+        stored["sinks"], exact["sinks"] = sinks, sinks.astype(np.float64)
+    if case.alibi:  # BLOOM-like geometric slopes, varied per batch
+        base = 2.0 ** -np.arange(1, case.Hq + 1)
+        slopes = (base[None, :] * (1.0 + np.arange(case.B)[:, None])).astype(acc)
+        stored["alibi"], exact["alibi"] = slopes, slopes.astype(np.float64)
     return stored, exact, mask
 
 
@@ -304,6 +350,8 @@ def reference(case: Case, x: dict, mask) -> tuple[np.ndarray, np.ndarray]:
             s = scale * (q[b, h] @ k[b, h // G].T)
             if case.softcap is not None:
                 s = case.softcap * np.tanh(s / case.softcap)
+            if "alibi" in x:  # FlashAttention's ALiBi: -slope * |i + offset - j|
+                s = s - x["alibi"][b, h] * np.abs(i + off - j)
             allow = ok.copy()
             if mask is not None:
                 mb = mask[b if case.mask_b else 0, h if case.mask_h else 0]
@@ -312,10 +360,14 @@ def reference(case: Case, x: dict, mask) -> tuple[np.ndarray, np.ndarray]:
                 else:
                     s = s + mb
             s = np.where(allow, s, -np.inf)
+            if "sinks" in x:  # gpt-oss: the sink is one more logit column with no value
+                s = np.concatenate([s, np.full((L, 1), x["sinks"][b, h])], axis=1)
             m = s.max(axis=1, keepdims=True)
             m = np.where(np.isfinite(m), m, 0.0)
             e = np.exp(s - m)
             tot = e.sum(axis=1, keepdims=True)
+            if "sinks" in x:
+                e = e[:, :-1]
             p = e / np.where(tot > 0, tot, 1.0)
             lse[b, h] = np.where(
                 tot[:, 0] > 0, m[:, 0] + np.log(np.where(tot > 0, tot, 1))[:, 0], -np.inf
@@ -365,6 +417,8 @@ def launch_emulator(
             int(case.bshd),
             tc.smem_bytes,
             tc.block_m,
+            int(case.sinks),
+            int(case.alibi),
         ],
         dtype=np.int64,
     )
@@ -386,6 +440,9 @@ def launch_emulator(
             f.write(np.asarray(case.q_lens, dtype=np.int32).tobytes())
         if case.kv_lens is not None:
             f.write(np.asarray(case.kv_lens, dtype=np.int32).tobytes())
+        for name in ("sinks", "alibi"):
+            if name in stored:
+                f.write(np.ascontiguousarray(stored[name]).tobytes())
     env = dict(os.environ)
     env.pop("AA_EMU_EAGER", None)
     if eager:
@@ -466,6 +523,19 @@ _RACE_CASES = {
     "f16_d64_mt1_causal": Case("float16", 64, Hq=1, L=140, S=140, causal=True, mt=1),
     # Blocks with no key tile: the epilogue reuses the Q buffer with only Q's copy in flight.
     "f16_d64_no_key_tiles": CASES["f16_d64_no_key_tiles"],
+    # Sinks and ALiBi (runtime pointers read by every thread, the sink fold in the epilogue).
+    "f16_d64_sinks_alibi": Case(
+        "float16",
+        64,
+        Hq=2,
+        Hkv=1,
+        L=70,
+        S=80,
+        causal=True,
+        bottom_right=True,
+        sinks=True,
+        alibi=True,
+    ),  # fmt: skip
     # The CUDA-core kernels, float and double.
     "f32_d64_causal_gqa_softcap_dropout_bool": CASES["f32_d64_causal_gqa_softcap_dropout_bool"],
     "f64_d32_window_lengths_floatmask": CASES["f64_d32_window_lengths_floatmask"],

@@ -177,7 +177,8 @@ def fake_cupy(monkeypatch, tmp_path_factory):
 def _check(q, k, v, mask=None, tol=None, **kw):
     opts = dict(dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
                 causal_align="top_left", window=None, softcap=None, seed=None)  # fmt: skip
-    lengths = {n: kw.pop(n) for n in ("q_lengths", "kv_lengths") if n in kw}
+    names = ("q_lengths", "kv_lengths", "sinks", "alibi_slopes")
+    lengths = {n: kw.pop(n) for n in names if n in kw}
     opts.update(kw)
     spec = make_spec(q, k, v, mask, *opts.values(), **lengths)
     before = [x.copy() for x in (q, k, v)]
@@ -234,3 +235,23 @@ def test_three_dim_and_head_broadcast_float32(fake_cupy) -> None:
     q = rng.standard_normal((1, 33, 64), dtype=np.float32)  # one query head, broadcast
     k = rng.standard_normal((2, 50, 64), dtype=np.float32)
     _check(q, k, k, window=(5, -1))
+
+
+def test_sinks_alibi_gqa_lengths_float16(fake_cupy) -> None:
+    """Sinks ``(Hq,)`` and per-batch ALiBi slopes ``(B, Hq)`` reach the kernel as
+    ``(B * Hq,)`` arrays; a sequence with no key leaves the sink alone (output 0)."""
+    rng = np.random.default_rng()
+    q = rng.standard_normal((2, 4, 37, 64)).astype(np.float16)
+    k = rng.standard_normal((2, 2, 70, 64)).astype(np.float16)
+    sinks = rng.standard_normal(4).astype(np.float16)
+    slopes = (2.0 ** -np.arange(1, 5))[None, :] * np.array([[1.0], [2.0]])
+    _check(q, k, k, enable_gqa=True, is_causal=True, causal_align="bottom_right",
+           kv_lengths=np.array([70, 0]), sinks=sinks, alibi_slopes=slopes)  # fmt: skip
+
+
+def test_sinks_alibi_broadcast_float64(fake_cupy) -> None:
+    rng = np.random.default_rng()
+    q = rng.standard_normal((3, 2, 20, 32))
+    k = rng.standard_normal((3, 2, 30, 32))
+    _check(q, k, k, window=(4, 2), sinks=rng.standard_normal((3, 1)),
+           alibi_slopes=np.array([0.5, 0.125]))  # fmt: skip

@@ -311,6 +311,36 @@ def test_softcap_and_dropout(dtype) -> None:
     )
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sinks_and_alibi(dtype) -> None:
+    """gpt-oss sinks ``(Hq,)`` and per-batch ALiBi slopes ``(B, Hq)`` in the kernels,
+    against the composed path in float64 on the same (rounded) inputs; the second
+    sequence has no key, so its rows hold the sink alone (output 0, LSE = sink)."""
+    rng = np.random.default_rng(11)
+    B, Hq, Hkv, L, S, E = 2, 4, 2, 150, 260, 64
+    q = rng.standard_normal((B, Hq, L, E)).astype(dtype)
+    k = rng.standard_normal((B, Hkv, S, E)).astype(dtype)
+    v = rng.standard_normal((B, Hkv, S, E)).astype(dtype)
+    sinks = rng.standard_normal(Hq).astype(np.float32)
+    slopes = (2.0 ** -np.arange(1, Hq + 1))[None, :] * np.array([[1.0], [0.5]])
+    kv_lengths = np.array([S, 0], dtype=np.int32)
+    opts = dict(is_causal=True, causal_align="bottom_right", enable_gqa=True, return_lse=True)
+    out, lse = aa.scaled_dot_product_attention(
+        *(cp.asarray(x) for x in (q, k, v)), implementation="fused",
+        sinks=cp.asarray(sinks), alibi_slopes=cp.asarray(slopes),
+        kv_lengths=cp.asarray(kv_lengths), **opts,
+    )  # fmt: skip
+    ref, ref_lse = aa.scaled_dot_product_attention(
+        *(x.astype(np.float64) for x in (q, k, v)), implementation="composed",
+        sinks=sinks.astype(np.float64), alibi_slopes=slopes, kv_lengths=kv_lengths, **opts,
+    )  # fmt: skip
+    out, lse = out.get().astype(np.float64), lse.get().astype(np.float64)
+    assert np.isfinite(lse).all() and (out[1] == 0).all()
+    assert _rel(out, ref) <= _TOL[np.dtype(dtype).name]
+    lse_tol = 1e-3 if np.dtype(dtype).itemsize == 2 else (1e-5 if dtype == np.float32 else 1e-12)
+    assert np.max(np.abs(lse - ref_lse)) <= lse_tol * max(1, np.abs(ref_lse).max())
+
+
 def test_bfloat16_if_available() -> None:
     try:
         bf16 = np.dtype("bfloat16")
