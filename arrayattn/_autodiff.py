@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["vjp", "register_vjp", "differentiable_ops"]
+__all__ = ["vjp", "register_vjp", "differentiable_ops", "check_cotangent"]
 
 Pullback = Callable[[Any], tuple[Any, ...]]
 Rule = Callable[..., tuple[Any, Pullback]]
@@ -76,6 +76,7 @@ def vjp(fn: Callable[..., Any], *arrays: Any, **options: Any) -> tuple[Any, Pull
     n = len(arrays)
 
     def trimmed_pullback(cotangent: Any) -> tuple[Any, ...]:
+        check_cotangent(out, cotangent)
         grads = tuple(pullback(cotangent))
         # A rule may end its tuple with a dict of keyword-argument cotangents
         # (``{"sinks": ...}``); it follows the positional ones, after trimming.
@@ -88,3 +89,72 @@ def vjp(fn: Callable[..., Any], *arrays: Any, **options: Any) -> tuple[Any, Pull
         return grads
 
     return out, trimmed_pullback
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)}"
+    shape = getattr(x, "shape", None)
+    if shape is not None:
+        return f"a {type(x).__name__} of shape {tuple(shape)} and dtype {x.dtype}"
+    return f"a {type(x).__name__}"
+
+
+def check_cotangent(out: Any, cotangent: Any, name: str = "cotangent") -> None:
+    """Check that ``cotangent`` has the structure of ``out``: one array (or ``None``,
+    meaning zero) per output array, of the output's library and device, with a real
+    floating dtype for a real output (a complex cotangent would silently lose its
+    imaginary part). Raises ``TypeError`` naming what was seen and what was expected.
+    Shapes are each rule's own check (with the names of its outputs); outputs that are
+    neither arrays nor tuples/lists of them are left to the rule.
+
+    Examples:
+        >>> import numpy as np
+        >>> check_cotangent(np.zeros(3), np.ones(3))
+        >>> try:
+        ...     check_cotangent(np.zeros(3), (np.ones(3), None))
+        ... except TypeError as e:
+        ...     print(str(e)[:48])
+        cotangent must be one array shaped like the outp
+    """
+    import array_api_compat
+
+    from ._backend import device_of, is_real_floating, library_name, namespace_of
+
+    if isinstance(out, (tuple, list)):
+        if not all(o is None or array_api_compat.is_array_api_obj(o) for o in out):
+            return
+        if not isinstance(cotangent, (tuple, list)) or len(cotangent) != len(out):
+            raise TypeError(
+                f"{name} must be a tuple of {len(out)} (one array or None per output, "
+                f"like the output), got {_describe(cotangent)}"
+            )
+        for i, (o, c) in enumerate(zip(out, cotangent, strict=True)):
+            if o is not None:
+                check_cotangent(o, c, f"{name}[{i}]")
+        return
+    if not array_api_compat.is_array_api_obj(out) or cotangent is None:
+        return
+    shape = tuple(out.shape)
+    if isinstance(cotangent, (tuple, list)):
+        raise TypeError(
+            f"{name} must be one array shaped like the output {shape}, got "
+            f"{_describe(cotangent)} (a pair (d_out, d_lse) is for an output pair such as "
+            "return_lse=True)"
+        )
+    xp = namespace_of(output=out)
+    cxp = namespace_of(**{name: cotangent})
+    if cxp is not xp:
+        raise TypeError(
+            f"{name} is a {library_name(cxp)} array but the output is a {library_name(xp)} "
+            "array; the cotangent must come from the output's library"
+        )
+    out_dev, dev = device_of(out), device_of(cotangent)
+    # A traced output (jax.jit) may report no device; only two known devices can differ.
+    if out_dev is not None and dev is not None and dev != out_dev:
+        raise TypeError(f"{name} is on device {dev!r} but the output is on device {out_dev!r}")
+    if is_real_floating(xp, out.dtype) and not is_real_floating(xp, cotangent.dtype):
+        raise TypeError(
+            f"{name} must have a real floating dtype like the output ({out.dtype}), got "
+            f"{cotangent.dtype}"
+        )

@@ -24,6 +24,7 @@ __all__ = [
     "Array",
     "Namespace",
     "namespace_of",
+    "require_arrays",
     "resolve_namespace",
     "device_of",
     "library_name",
@@ -85,7 +86,8 @@ def namespace_of(**arrays: Array | None) -> Namespace:
     """
     present = {name: a for name, a in arrays.items() if a is not None}
     if not present:
-        raise TypeError("expected at least one array argument, got none")
+        names = " / ".join(arrays) or "an array argument"
+        raise TypeError(f"{names} must be an array from an array-API library, got None")
     namespaces: dict[str, Namespace] = {}
     for name, a in present.items():
         if not array_api_compat.is_array_api_obj(a) or isinstance(a, (bool, int, float, complex)):
@@ -113,6 +115,14 @@ def namespace_of(**arrays: Array | None) -> Namespace:
                 f"in one call must be on one device"
             )
     return xp
+
+
+def require_arrays(**arrays: Array | None) -> None:
+    """Raise a ``TypeError`` naming the first required argument that is ``None``
+    (:func:`namespace_of` skips ``None``, which optional arrays use)."""
+    for name, a in arrays.items():
+        if a is None:
+            raise TypeError(f"{name} must be an array from an array-API library, got None")
 
 
 def resolve_namespace(xp: ModuleType | Namespace | None) -> Namespace:

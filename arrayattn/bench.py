@@ -627,6 +627,23 @@ def set_threads(n: int) -> None:
         torch.set_num_threads(n)
 
 
+def _sections(args: argparse.Namespace) -> list[str]:
+    """The decode / array-API / crossover tables asked for on the command line."""
+    from . import bench_sections as sec
+
+    texts = []
+    if args.decode:
+        results = [sec.measure_decode(d, args.repeats, args.dtype) for d in sec.DECODE_SHAPES]
+        texts.append(sec.format_decode(results))
+    if args.array_api:
+        texts.append(sec.format_array_api(sec.measure_array_api(args.repeats)))
+    if args.crossover:
+        texts.append(sec.format_crossover(sec.measure_crossover(args.repeats)))
+    for text in texts:
+        print(text, flush=True)
+    return texts
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m arrayattn.bench",
@@ -638,6 +655,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=("float32", "float64", "float16"))
     p.add_argument("--peers", help="comma-separated subset, e.g. auto,torch,composed")
     p.add_argument("--long", action="store_true", help="add the L=32768 memory case")
+    p.add_argument(
+        "--decode",
+        action="store_true",
+        help="add decode rows: GB/s of K/V and the ratio to PyTorch SDPA (GQA 32/8, D=128)",
+    )
+    p.add_argument(
+        "--array-api",
+        action="store_true",
+        help="add the composed/chunked/auto paths on PyTorch tensors and JAX arrays "
+        "against each library's own attention",
+    )
+    p.add_argument(
+        "--crossover",
+        action="store_true",
+        help='add the implementation="auto" crossover sweep on NumPy arrays',
+    )
+    p.add_argument(
+        "--only-sections",
+        action="store_true",
+        help="run only the sections asked for (--decode/--array-api/--crossover/--long), "
+        "not the prefill shapes",
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     p.add_argument("--plot", metavar="PATH", help="save a ratio plot (needs matplotlib)")
     p.add_argument("--append-results", action="store_true", help="append to bench/RESULTS.md")
@@ -655,9 +694,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; prints Markdown tables to stdout, progress to stderr."""
     args = build_parser().parse_args(argv)
+    # PyTorch's idle OpenMP threads must not spin while the next peer runs (set before
+    # torch is imported; a user's own setting wins).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     shapes = args.shapes or list(QUICK_SHAPES if args.quick else DEFAULT_SHAPES)
+    if args.only_sections:
+        shapes = []
     peers = available_peers(args.peers.split(",") if args.peers else None)
     if not peers:
         raise SystemExit(f"--peers {args.peers!r} matches no peer")
@@ -687,6 +731,7 @@ def main(argv: list[str] | None = None) -> int:
         text = format_long(measure_long(args.dtype, progress))
         out.append(text)
         print(text, flush=True)
+    out.extend(_sections(args))
     progress.close()
     try:
         machine["load average at end"] = "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg())

@@ -135,3 +135,27 @@ def test_cpu_floor_script_reports_floor_fast_path_and_torch():
     for row in rows:
         assert out.count(row) == 2
     assert "ns per score element: QK^T" in out and "torch all-in" in out
+
+
+def test_decode_section_measures_gb_per_second_and_ratio():
+    from arrayattn import bench_sections as sec
+
+    shape = sec.DecodeShape(B=1, L=2, S=64, Hq=4, Hkv=2, D=8)
+    result = sec.measure_decode(shape, repeats=2)
+    assert result["gb"] == 2 * 1 * 2 * 64 * 8 * 4 / 1e9
+    assert len(result["times"]["arrayattn auto"]) == 2
+    text = sec.format_decode([result])
+    assert "GB/s of K/V" in text and shape.label in text
+
+
+def test_array_api_and_crossover_tables_format_measured_times():
+    from arrayattn import bench_sections as sec
+
+    rounds = {"torch sdpa": [1.0, 2.0], "arrayattn composed": [2.0, 3.0]}
+    text = sec.format_array_api(
+        [{"lib": "torch", "causal": True, "ref": "torch sdpa", "times": rounds}]
+    )
+    assert "| torch | yes | arrayattn composed | 2500.0 | 1.67 | 1.50-2.00 |" in text
+    times = {"fast": 3e-3, "composed": 1e-3, "chunked": 2e-3, "auto": 1e-3}
+    text = sec.format_crossover([{"case": (2, 8, 4, 4, False), "times": times, "auto": "composed"}])
+    assert "| 2 | 8 | 4 | 4 | no | 3.00 | 1.00 | 2.00 | 1.00 | composed | composed |" in text

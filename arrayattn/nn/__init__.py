@@ -3,8 +3,9 @@ with a ``KVCache`` (per-sequence lengths) or a ``PagedKVCache``. Parameters are 
 of arrays with Hugging Face names; every layer's backward is composed from the ops'
 hand-written pullbacks."""
 
+from ._cotangents import Cotangents
 from .activations import erf, gelu, silu
-from .attention import Cotangents, MultiHeadAttention
+from .attention import MultiHeadAttention
 from .embedding import embedding
 from .kv_cache import KVCache
 from .linear import linear

@@ -25,13 +25,19 @@ from typing import Any
 import array_api_compat
 
 from .._autodiff import vjp
-from .._backend import Array, device_of, namespace_of, resolve_namespace
+from .._backend import Array, device_of, lse_dtype, namespace_of, resolve_namespace
 from ..ops._attention_spec import make_spec
 from ..ops.attention import attention_weights, implementations, scaled_dot_product_attention
 from ..ops.heads import merge_heads, split_heads
 from ..ops.norms import layer_norm, rms_norm
-from ..ops.rope import ROPE_LAYOUTS, apply_rope, rope_frequencies
-from .kv_cache import KVCache, host_lengths
+from ..ops.rope import ROPE_LAYOUTS, apply_rope
+from ._checkpoint import _to_namespace
+from ._cotangents import Cotangents
+from ._mha_call import check_call
+from ._mha_rope import layer_rope_frequencies
+from ._padding import _roll_rows
+from ._validate import _count, _flag, _real
+from .kv_cache import KVCache
 from .linear import linear
 from .paged_kv_cache import PagedKVCache
 
@@ -39,84 +45,8 @@ __all__ = ["MultiHeadAttention", "Cotangents"]
 
 QK_NORMS = ("rms", "layer")
 QK_NORM_SCOPES = ("head", "full")
-PADDING_SIDES = ("right", "left")
 
 Params = dict[str, Array]
-
-
-class Cotangents(tuple):
-    """What a :meth:`MultiHeadAttention.vjp` pullback returns: the tuple
-    ``(dx, dcontext, dparams)`` (so ``dx, dcontext, dparams = pullback(d_out)`` works),
-    with the cotangents of the other inputs as attributes: :attr:`value` (the separate
-    ``value`` input, else ``None``) and :attr:`attn_mask` (a float mask, else ``None``).
-
-    Examples:
-        >>> import numpy as np
-        >>> from arrayattn.nn import MultiHeadAttention
-        >>> mha = MultiHeadAttention(embed_dim=8, num_heads=2)
-        >>> params = mha.init(seed=0, xp=np, dtype=np.float64)
-        >>> x, bias = np.ones((1, 3, 8)), np.zeros((1, 2, 3, 3))
-        >>> y, pullback = mha.vjp(params, x, attn_mask=bias)
-        >>> grads = pullback(np.ones_like(y))
-        >>> grads.x.shape, grads.context, grads.attn_mask.shape
-        ((1, 3, 8), None, (1, 2, 3, 3))
-    """
-
-    def __new__(cls, dx: Array, dcontext: Array | None, dparams: Params, dvalue: Any, dmask: Any):
-        self = super().__new__(cls, (dx, dcontext, dparams))
-        self._value, self._attn_mask = dvalue, dmask
-        return self
-
-    @property
-    def x(self) -> Array:
-        """Cotangent of ``x``."""
-        return self[0]
-
-    @property
-    def context(self) -> Array | None:
-        """Cotangent of ``context`` (keys' input; also values' without ``value``)."""
-        return self[1]
-
-    @property
-    def params(self) -> Params:
-        """One cotangent per parameter name."""
-        return self[2]
-
-    @property
-    def value(self) -> Array | None:
-        """Cotangent of the separate ``value`` input (``None`` without one)."""
-        return self._value
-
-    @property
-    def attn_mask(self) -> Array | None:
-        """Cotangent of a float ``attn_mask`` (a learned bias), in its shape; ``None`` for
-        a bool mask or none."""
-        return self._attn_mask
-
-
-def _count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
-
-
-def _real(name: str, value: Any, *, optional: bool = False) -> float | None:
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        want = "a real number" + (" or None" if optional else "")
-        raise TypeError(f"{name} must be {want}, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return float(value)
-
-
-def _flag(name: str, value: Any, *, optional: bool = False) -> None:
-    if not (isinstance(value, bool) or (optional and value is None)):
-        want = "a bool" + (" or None" if optional else "")
-        raise TypeError(f"{name} must be {want}, got {type(value).__name__} {value!r}")
 
 
 @dataclass(frozen=True)
@@ -678,7 +608,9 @@ class MultiHeadAttention:
             padding_side: ``"right"`` (real tokens first) or ``"left"`` (real tokens
                 last, as batched generation pads prompts); needs ``lengths``. Left-padded
                 rows are moved to the right internally, so each sequence's first real
-                token has position 0; ``attn_mask`` cannot be combined with it.
+                token has position 0 (explicit ``positions``/``freqs``, given in the
+                caller's layout, move with their rows); ``attn_mask`` cannot be combined
+                with it.
             cache: a :class:`KVCache` or :class:`PagedKVCache`. Self-attention: row
                 ``b``'s new keys/values are appended after its own cached tokens and its
                 queries attend to everything it holds (bottom-right causal per sequence
@@ -818,7 +750,8 @@ class MultiHeadAttention:
         self.check_params(params)
         xp = namespace_of(x=x, context=context, value=value, attn_mask=attn_mask, freqs=freqs)
         namespace_of(x=x, **{f"params[{k!r}]": v for k, v in params.items()})
-        plan = self._check_call(
+        plan = check_call(
+            self,
             x,
             context,
             value,
@@ -845,12 +778,14 @@ class MultiHeadAttention:
         def roll(name: str, a: Array, shifts: tuple[int, ...]) -> Array:
             if pullbacks is not None:
                 n = int(a.shape[-2])
-                back = tuple((n - s) % n for s in shifts)
+                back = tuple((n - s) % n if n else 0 for s in shifts)
                 pullbacks[name] = lambda dy: (_roll_rows(dy, back),)
             return _roll_rows(a, shifts)
 
         if left:  # move each row's real tokens to the front (right padding)
-            x = roll("roll_x", x, tuple(L_ - n for L_, n in zip(plan["L"], n_new, strict=True)))
+            shifts = tuple(L_ - n for L_, n in zip(plan["L"], n_new, strict=True))
+            x = roll("roll_x", x, shifts)
+            positions, freqs = _rolled_positions(xp, x, positions, freqs, shifts, self)
         Hq, Hkv = self.num_heads, self.kv_heads
         fq, fk, fv = self._widths()
         cross = context is not None
@@ -877,7 +812,7 @@ class MultiHeadAttention:
             qh = self._norm(call, "q", qh, p)
         rot = None
         if self.rope is not None:
-            rot = self._rope_freqs(xp, x, positions, freqs, plan["starts"])
+            rot = layer_rope_frequencies(self, xp, x, positions, freqs, plan["starts"])
             qh = call("q_rope", apply_rope, qh, rot, layout=self.rope)
         if reuse:
             # A filled cross-attention cache already holds the context's keys and values.
@@ -902,7 +837,7 @@ class MultiHeadAttention:
             opts["sinks"] = p["sinks"]
         if self.alibi:
             opts["alibi_slopes"] = xp.asarray(
-                self.alibi_slopes(), dtype=_stat_dtype(xp, x.dtype), device=device_of(x)
+                self.alibi_slopes(), dtype=lse_dtype(xp, x.dtype), device=device_of(x)
             )
         sdpa_args = (
             attn_mask,
@@ -1123,315 +1058,24 @@ class MultiHeadAttention:
         return back[0]
 
     # -- checks and helpers -------------------------------------------------------------
-    def _check_call(
-        self,
-        x: Array,
-        context: Array | None,
-        value: Array | None,
-        attn_mask: Array | None,
-        positions: Any,
-        freqs: Array | None,
-        lengths: Any,
-        padding_side: str,
-        cache: Any,
-        training: bool,
-        seed: Any,
-        need_weights: bool = False,
-    ) -> dict[str, Any]:
-        """Validate a call's arguments (nothing is computed or changed); returns what the
-        forward needs: the host lengths of the new tokens and the cache's starts."""
-        xp = namespace_of(x=x)
-        if x.ndim < 2 or x.shape[-1] != self.embed_dim:
-            raise ValueError(
-                f"x must have shape (..., L, embed_dim={self.embed_dim}), got {tuple(x.shape)}"
-            )
-        _flag("training", training)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
-            raise TypeError(f"seed must be an int or None, got {type(seed).__name__} {seed!r}")
-        if padding_side not in PADDING_SIDES:
-            raise ValueError(f"padding_side must be one of {PADDING_SIDES}, got {padding_side!r}")
-        if value is not None and context is None:
-            raise ValueError("value (the values' input) needs context (the keys' input)")
-        for name, a, width in (
-            ("context", context, self.kv_input_dim),
-            ("value", value, self.value_input_dim),
-        ):
-            if a is None:
-                continue
-            if a.ndim < 2 or a.shape[-1] != width:
-                dim = "context_dim" if name == "context" else "value_context_dim"
-                raise ValueError(
-                    f"{name} must have shape (..., S, {dim}={width}), got {tuple(a.shape)}"
-                )
-        if value is not None and value.shape[-2] != context.shape[-2]:
-            raise ValueError(
-                f"value and context must have the same length S, got shapes "
-                f"{tuple(value.shape)} and {tuple(context.shape)}"
-            )
-        if context is not None and (self.rope is not None or freqs is not None):
-            raise ValueError(
-                "context (cross-attention) with rope is not supported: RoPE positions of "
-                "queries and context keys are not comparable"
-            )
-        if attn_mask is not None and not array_api_compat.is_array_api_obj(attn_mask):
-            raise TypeError(f"attn_mask must be an array or None, got {type(attn_mask).__name__}")
-        if attn_mask is not None and not (
-            attn_mask.dtype == xp.bool or xp.isdtype(attn_mask.dtype, "real floating")
-        ):
-            raise TypeError(
-                f"attn_mask must be bool (True = takes part) or real floating (added to the "
-                f"scores), got {attn_mask.dtype}"
-            )
-        self._check_positions(x, positions, freqs)
-        L = int(x.shape[-2])
-        n_new: tuple[int, ...] | None = None
-        lengths_array = None
-        batched = lengths is not None or cache is not None or padding_side == "left"
-        if batched and x.ndim != 3:
-            raise ValueError(
-                f"with a cache or lengths, x must be (B, L, embed_dim), got {tuple(x.shape)}"
-            )
-        B = int(x.shape[0])
-        if lengths is not None:
-            if context is not None:
-                raise ValueError("lengths is for self-attention; mask a context with attn_mask")
-            n_new = host_lengths("lengths", lengths, B, L)
-            if cache is None:  # left padding is rolled to the right before attention
-                lengths_array = xp.asarray(list(n_new), dtype=xp.int64, device=device_of(x))
-        elif padding_side == "left":
-            raise ValueError('padding_side="left" needs lengths (real tokens per row)')
-        if padding_side == "left" and attn_mask is not None:
-            raise ValueError(
-                'attn_mask cannot be combined with padding_side="left"; lengths already masks '
-                "the padding (use right padding for other masks)"
-            )
-        starts = None
-        if cache is not None:
-            if not isinstance(cache, (KVCache, PagedKVCache)):
-                raise TypeError(
-                    f"cache must be a KVCache or PagedKVCache, got {type(cache).__name__}"
-                )
-            if cache.batch_size != B:
-                raise ValueError(
-                    f"cache has {cache.batch_size} sequences (rows) but x has {B} rows"
-                )
-            kinds = (cache.num_kv_heads, cache.head_dim, cache.value_dim)
-            want = (self.kv_heads, self.dim_per_head, self.value_dim_per_head)
-            if kinds != want:
-                raise ValueError(
-                    f"cache holds (num_kv_heads, head_dim, value_dim) = {kinds}, this layer "
-                    f"needs {want}"
-                )
-            if context is not None:
-                if isinstance(cache, PagedKVCache):
-                    raise ValueError(
-                        "a PagedKVCache is for self-attention; use KVCache for context"
-                    )
-                held = cache.lengths
-                S = int(context.shape[-2])
-                if held.max() > 0 and (held != S).any():
-                    raise ValueError(
-                        f"cache holds the keys/values of a context of length {held.tolist()}, "
-                        f"got a context of length {S}; call cache.reset() before attending to "
-                        f"a new context"
-                    )
-                if held.max() == 0:
-                    cache.check_append((S,) * B, x.dtype)
-            else:
-                if n_new is None:
-                    n_new = (L,) * B
-                cache.check_append(n_new, x.dtype)
-                starts = cache.lengths.tolist()
-            if isinstance(cache, PagedKVCache) and training and self.dropout_p > 0:
-                raise ValueError("dropout (training=True) is not supported with a PagedKVCache")
-            if isinstance(cache, PagedKVCache) and need_weights:
-                raise ValueError("need_weights is not supported with a PagedKVCache")
-        return {
-            "n_new": n_new,
-            "lengths_array": lengths_array,
-            "starts": starts,
-            "L": (L,) * B if batched else None,
-        }
-
-    def _check_positions(self, x: Array, positions: Any, freqs: Array | None) -> None:
-        L = int(x.shape[-2])
-        if positions is not None and freqs is not None:
-            raise ValueError("give positions or freqs, not both")
-        if freqs is not None:
-            if self.rope is None:
-                raise ValueError("freqs needs a rope layout (rope='half' or 'interleaved')")
-            xp = namespace_of(freqs=freqs)
-            if not xp.isdtype(freqs.dtype, "complex floating"):
-                raise TypeError(f"freqs must be complex (exp(i * angle)), got {freqs.dtype}")
-            if freqs.ndim not in (2, 3, 4) or freqs.shape[-2] != L:
-                raise ValueError(
-                    f"freqs must be (L, F), (B, L, F) or (B, 1, L, F) with L={L}, got shape "
-                    f"{tuple(freqs.shape)}"
-                )
-            return
-        if positions is None:
-            return
-        if isinstance(positions, numbers.Integral) and not isinstance(positions, bool):
-            return
-        if not array_api_compat.is_array_api_obj(positions):
-            raise TypeError(
-                f"positions must be an int or an integer array (L,) or (B, L), got "
-                f"{type(positions).__name__} {positions!r}"
-            )
-        xp = namespace_of(x=x, positions=positions)
-        if not (
-            xp.isdtype(positions.dtype, "integral") or xp.isdtype(positions.dtype, "real floating")
-        ):
-            raise TypeError(f"positions must have an integer dtype, got {positions.dtype}")
-        A = self.rope_position_axes
-        if A is not None:
-            if positions.ndim not in (2, 3) or tuple(positions.shape[-2:]) != (L, A):
-                raise ValueError(
-                    f"positions must be (L, A) or (B, L, A) with L={L} and A={A} axes (one "
-                    f"column per axis), got shape {tuple(positions.shape)}"
-                )
-            return
-        if positions.ndim not in (1, 2) or positions.shape[-1] != L:
-            raise ValueError(
-                f"positions must be an int or an array (L,) or (B, L) with L={L}, got shape "
-                f"{tuple(positions.shape)}"
-            )
-
-    def _rope_freqs(
-        self,
-        xp: Any,
-        x: Array,
-        positions: Any,
-        freqs: Array | None,
-        starts: list[int] | None,
-    ) -> Array:
-        if freqs is not None:
-            rot = freqs
-        else:
-            L = int(x.shape[-2])
-            real = _stat_dtype(xp, x.dtype)
-            dev = device_of(x)
-            seq_len = None
-            if positions is None and starts is not None and len(set(starts)) > 1:
-                # Each sequence continues from its own cached length.
-                pos = xp.asarray(
-                    [[s + i for i in range(L)] for s in starts], dtype=real, device=dev
-                )
-                seq_len = max(starts) + L
-            elif positions is None or isinstance(positions, numbers.Integral):
-                start = (starts[0] if starts else 0) if positions is None else int(positions)
-                pos = xp.arange(start, start + L, dtype=real, device=dev)
-                seq_len = start + L
-            else:
-                pos = positions
-                if self._needs_seq_len():  # HF's max(position_ids) + 1: read from the data
-                    seq_len = int(xp.max(positions)) + 1
-            A = self.rope_position_axes
-            if A is not None and (positions is None or isinstance(positions, numbers.Integral)):
-                pos = xp.stack([pos] * A, axis=-1)  # text tokens: every axis the same
-            rot = self._frequencies(pos, real, seq_len)
-        if rot.ndim == 3:  # (B, L, F) -> (B, 1, L, F): the same positions for every head
-            rot = xp.expand_dims(rot, axis=1)
-        return rot
-
-    def _needs_seq_len(self) -> bool:
-        scaling = self.rope_scaling or {}
-        return scaling.get("rope_type", scaling.get("type")) in ("dynamic", "longrope")
-
-    def _frequencies(self, pos: Array, real: Any, seq_len: int | None) -> Array:
-        """The complex factors of this layer's RoPE variant at positions ``pos``."""
-        scaled: dict[str, Any] = {}
-        if self.rope_scaling is not None:
-            scaled["rope_scaling"] = dict(self.rope_scaling)
-            scaled["seq_len"] = seq_len
-        if self.max_position_embeddings is not None:
-            scaled["max_position_embeddings"] = self.max_position_embeddings
-        if self.rope_axes is not None:
-            from ..ops.rope_multi import multi_axis_rope_frequencies
-
-            return multi_axis_rope_frequencies(
-                self.rope_axes, pos, theta=self.rope_theta, dtype=real
-            )
-        if self.mrope_section is not None:
-            from ..ops.rope_multi import mrope_frequencies
-
-            return mrope_frequencies(
-                self.dim_per_head,
-                pos,
-                self.mrope_section,
-                theta=self.rope_theta,
-                dtype=real,
-                **scaled,
-            )
-        if self.partial_rotary_factor is not None:
-            scaled["partial_rotary_factor"] = self.partial_rotary_factor
-        return rope_frequencies(self.dim_per_head, pos, theta=self.rope_theta, dtype=real, **scaled)
 
 
-def _stat_dtype(xp: Any, dtype: Any) -> Any:
-    return xp.float64 if dtype == xp.float64 else xp.float32
-
-
-def _roll_rows(x: Array, shifts: tuple[int, ...], axis: int = -2) -> Array:
-    """Row ``b`` of ``x`` rotated left by ``shifts[b]`` along ``axis`` (a permutation per
-    row: left padding <-> right padding)."""
-    xp = namespace_of(x=x)
-    n = int(x.shape[axis])
-    ax = axis % x.ndim
-    rows = []
-    for b, s in enumerate(shifts):
-        row = x[b : b + 1, ...]
-        s = s % n if n else 0
-        if s:
-            head = tuple(slice(None) if d != ax else slice(s, None) for d in range(x.ndim))
-            tail = tuple(slice(None) if d != ax else slice(0, s) for d in range(x.ndim))
-            row = xp.concat((row[head], row[tail]), axis=ax)
-        rows.append(row)
-    return xp.concat(rows, axis=0)
-
-
-def _to_namespace(arrays: Mapping[str, Any], xp: Any, device: Any, dtype: Any) -> Params:
-    ns = resolve_namespace(xp)
-    out: Params = {}
-    for name, a in arrays.items():
-        if not hasattr(a, "dtype") or not hasattr(a, "shape"):
-            raise TypeError(
-                f"state_dict[{name!r}] must be an array (NumPy, torch, ...), got {type(a).__name__}"
-            )
-        dt = _same_dtype(ns, a.dtype, name) if dtype is None else dtype
-        out[name] = ns.asarray(_portable(a, ns), dtype=dt, device=device)
-    return out
-
-
-def _dtype_name(dtype: Any) -> str:
-    # numpy/cupy/jax dtypes print as "float64", torch's as "torch.float64".
-    return str(getattr(dtype, "name", None) or dtype).rsplit(".", 1)[-1]
-
-
-def _same_dtype(ns: Any, dtype: Any, name: str) -> Any:
-    """The target namespace's dtype with the same name as a checkpoint tensor's dtype
-    (torch, NumPy, CuPy, JAX dtypes alike), so a float16 or float64 checkpoint keeps it."""
-    dname = _dtype_name(dtype)
-    target = getattr(ns, dname, None)
-    if target is None or not ns.isdtype(target, "real floating"):
-        raise TypeError(
-            f"state_dict[{name!r}] has dtype {dtype}, which has no real floating counterpart "
-            f"in the target library; pass dtype= to load() (e.g. float32)"
-        )
-    return target
-
-
-def _portable(a: Any, ns: Any) -> Any:
-    """``a`` in a form ``ns.asarray`` accepts: torch and CuPy tensors bound for another
-    library go through host NumPy (torch's bfloat16 via float32)."""
-    if array_api_compat.is_torch_array(a):
-        a = a.detach()
-        if array_api_compat.is_torch_namespace(ns):
-            return a
-        a = a.cpu()
-        if _dtype_name(a.dtype) == "bfloat16":
-            a = a.float()
-        return a.numpy()
-    if array_api_compat.is_cupy_array(a) and not array_api_compat.is_cupy_namespace(ns):
-        return a.get()
-    return a
+def _rolled_positions(
+    xp: Any,
+    x: Array,
+    positions: Any,
+    freqs: Array | None,
+    shifts: tuple[int, ...],
+    mha: MultiHeadAttention,
+) -> tuple[Any, Array | None]:
+    """Explicit positions / frequencies given for left-padded rows, rotated with them."""
+    B, L = int(x.shape[0]), int(x.shape[-2])
+    if positions is not None and not isinstance(positions, numbers.Integral):
+        cols = () if mha.rope_position_axes is None else (mha.rope_position_axes,)
+        positions = xp.broadcast_to(positions, (B, L) + cols)
+        positions = _roll_rows(positions, shifts, axis=1)
+    if freqs is not None:
+        if freqs.ndim == 3:  # (B, L, F) -> (B, 1, L, F)
+            freqs = xp.expand_dims(freqs, axis=1)
+        freqs = _roll_rows(xp.broadcast_to(freqs, (B, 1, L, int(freqs.shape[-1]))), shifts)
+    return positions, freqs

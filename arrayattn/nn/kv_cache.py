@@ -218,7 +218,17 @@ class KVCache:
     def filled(self) -> tuple[Array, Array]:
         """The cached keys and values up to the longest row: ``(B, Hkv, max(lengths), D)``
         and ``(B, Hkv, max(lengths), Dv)`` (views where the library has them; positions
-        past a row's own length hold stale data)."""
+        past a row's own length hold stale data).
+
+        Examples:
+            >>> import numpy as np
+            >>> from arrayattn.nn import KVCache
+            >>> cache = KVCache.allocate(2, 1, 8, 4, xp=np, dtype=np.float32)
+            >>> new = np.ones((2, 1, 3, 4), np.float32)
+            >>> _ = cache.append(new, new, lengths=[3, 1])
+            >>> [a.shape for a in cache.filled()]
+            [(2, 1, 3, 4), (2, 1, 3, 4)]
+        """
         if self.keys is None:
             raise ValueError("the cache is empty and has no buffers yet (nothing appended)")
         n = int(self._lengths.max())
@@ -226,7 +236,16 @@ class KVCache:
 
     def reset(self, rows: int | Sequence[int] | None = None) -> None:
         """Forget the cached tokens of ``rows`` (default: every row), e.g. a sequence that
-        finished, so its row takes a new sequence. Buffers are kept and overwritten."""
+        finished, so its row takes a new sequence. Buffers are kept and overwritten.
+
+        Examples:
+            >>> import numpy as np
+            >>> from arrayattn.nn import KVCache
+            >>> cache = KVCache(np.zeros((2, 1, 8, 4)), np.zeros((2, 1, 8, 4)), length=[5, 2])
+            >>> cache.reset(0)
+            >>> cache.lengths.tolist()
+            [0, 2]
+        """
         if rows is None:
             self._lengths[:] = 0
             return
@@ -239,7 +258,17 @@ class KVCache:
     # -- writing ----------------------------------------------------------------------
     def check_append(self, new_lengths: Sequence[int], dtype: Any = None) -> None:
         """Raise, changing nothing, when appending ``new_lengths[b]`` tokens to each row
-        would overflow a row, or when ``dtype`` differs from the buffers' dtype."""
+        would overflow a row, or when ``dtype`` differs from the buffers' dtype.
+
+        Examples:
+            >>> import numpy as np
+            >>> from arrayattn.nn import KVCache
+            >>> cache = KVCache(np.zeros((2, 1, 8, 4)), np.zeros((2, 1, 8, 4)), length=[7, 2])
+            >>> cache.check_append([2, 2])  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            ValueError: KV cache overflow in sequence 0: 7 cached + 2 new tokens > its ...
+        """
         n = host_lengths("lengths", new_lengths, self.batch_size, self._max_length)
         for b, (held, new) in enumerate(zip(self._lengths.tolist(), n, strict=True)):
             if held + new > self._max_length:
@@ -265,7 +294,17 @@ class KVCache:
         first ``lengths[b]`` new tokens (default all ``l``; the rest is right padding) at
         positions ``[self.lengths[b], self.lengths[b] + lengths[b])``. Returns the filled
         buffers up to the longest row, ``(B, Hkv, max(self.lengths), D)`` and ``(..., Dv)``
-        (lengths already advanced). A rejected append changes nothing."""
+        (lengths already advanced). A rejected append changes nothing.
+
+        Examples:
+            >>> import numpy as np
+            >>> from arrayattn.nn import KVCache
+            >>> cache = KVCache.allocate(2, 1, 8, 4)
+            >>> new = np.ones((2, 1, 2, 4))
+            >>> k, v = cache.append(new, new, lengths=[2, 1])
+            >>> k.shape, cache.lengths.tolist(), cache.dtype
+            ((2, 1, 2, 4), [2, 1], dtype('float64'))
+        """
         xp = namespace_of(key=key, value=value)
         ks, vs = tuple(int(d) for d in key.shape), tuple(int(d) for d in value.shape)
         head = (self.batch_size, self.num_kv_heads)
@@ -336,7 +375,15 @@ class KVCache:
 
     def kv_lengths(self, xp: Any = None) -> Array:
         """The filled lengths as an int64 array of the cache's library and device, the
-        ``kv_lengths`` of an attention call over :meth:`filled`."""
+        ``kv_lengths`` of an attention call over :meth:`filled`.
+
+        Examples:
+            >>> import numpy as np
+            >>> from arrayattn.nn import KVCache
+            >>> cache = KVCache(np.zeros((2, 1, 8, 4)), np.zeros((2, 1, 8, 4)), length=[5, 2])
+            >>> cache.kv_lengths()
+            array([5, 2])
+        """
         ns = self.xp if xp is None else xp
         return ns.asarray(self._lengths.tolist(), dtype=ns.int64, device=self.device)
 

@@ -6,8 +6,9 @@ batch holds at once rather than by ``batch x max_length``. A sequence takes page
 free list as it grows (in whatever order the list gives them: a sequence's pages need not
 be adjacent) and gives them back with :meth:`PagedKVCache.free` when it finishes, so a new
 sequence reuses them. Attention (:meth:`PagedKVCache.attend`) is an online-softmax loop
-whose key blocks are the pages: step ``t`` reads page ``block_table[b][t]`` of every
-sequence ``b``; the cache is never gathered into one ``(B, S)`` buffer.
+whose key blocks are the pages: each step reads the next pages of every sequence
+``b`` from ``block_table[b]`` (``keys_per_step // page_size`` of them, at least one); the
+cache is never gathered into one ``(B, S)`` buffer.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import array_api_compat
 import numpy as np
 
 from .._backend import Array, device_of, namespace_of, resolve_namespace
+from ._paged_kernel import attend_with_kernel, kernel_supports
 from .kv_cache import check_count, host_lengths
 
 __all__ = ["PagedKVCache"]
@@ -58,6 +60,13 @@ class PagedKVCache:
         >>> cache.pages_in_use, cache.lengths.tolist()
         (1, [0, 2])
     """
+
+    #: Keys of each sequence one step of :meth:`attend` reads (whole pages, at least one):
+    #: the block size of its online softmax.
+    keys_per_step: int = 128
+    #: On CuPy, run :meth:`attend` as the CUDA kernel of ``kernels/paged_attn.cu`` (one
+    #: thread per query row reading the pages in place) when it takes the call.
+    use_kernel: bool = True
 
     def __init__(
         self,
@@ -121,7 +130,18 @@ class PagedKVCache:
 
     def free(self, rows: int | Sequence[int] | None = None) -> None:
         """End the sequences in ``rows`` (default: all): their pages return to the free
-        list (for any sequence to reuse) and their slots start empty."""
+        list (for any sequence to reuse) and their slots start empty.
+
+        Examples:
+            >>> import numpy as np
+            >>> from arrayattn.nn import PagedKVCache
+            >>> cache = PagedKVCache(batch_size=2, num_pages=4, page_size=2, num_kv_heads=1,
+            ...                      head_dim=2, xp=np)
+            >>> cache.append(np.ones((2, 1, 3, 2)), np.ones((2, 1, 3, 2)))
+            >>> cache.free(1)
+            >>> cache.free_pages, cache.block_tables
+            ([2, 3], [[0, 1], []])
+        """
         todo = range(self.batch_size) if rows is None else rows
         for b in [todo] if isinstance(todo, numbers.Integral) else todo:
             b = check_count("rows", b, minimum=0)
@@ -143,7 +163,17 @@ class PagedKVCache:
 
     def check_append(self, new_lengths: Sequence[int], dtype: Any = None) -> None:
         """Raise, changing nothing, when the free pages cannot hold ``new_lengths[b]`` more
-        tokens of every sequence ``b`` or ``dtype`` differs from the pages' dtype."""
+        tokens of every sequence ``b`` or ``dtype`` differs from the pages' dtype.
+
+        Examples:
+            >>> from arrayattn.nn import PagedKVCache
+            >>> cache = PagedKVCache(batch_size=2, num_pages=2, page_size=4, num_kv_heads=1,
+            ...                      head_dim=2)
+            >>> cache.check_append([5, 1])  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            ValueError: paged KV cache overflow in sequence 1: 0 cached + 1 new tokens need ...
+        """
         n = host_lengths("lengths", new_lengths, self.batch_size, self.capacity)
         need = self._pages_needed(n)
         free = len(self.free_pages)
@@ -168,7 +198,17 @@ class PagedKVCache:
     def append(self, key: Array, value: Array, lengths: Sequence[int] | None = None) -> None:
         """Write the first ``lengths[b]`` tokens of ``key[b] (Hkv, l, D)`` and ``value[b]
         (Hkv, l, Dv)`` (default all ``l``) after sequence ``b``'s cached tokens, taking
-        pages from the free list as needed. A rejected append changes nothing."""
+        pages from the free list as needed. A rejected append changes nothing.
+
+        Examples:
+            >>> import numpy as np
+            >>> from arrayattn.nn import PagedKVCache
+            >>> cache = PagedKVCache(batch_size=1, num_pages=4, page_size=2, num_kv_heads=1,
+            ...                      head_dim=2)
+            >>> cache.append(np.ones((1, 1, 3, 2)), np.ones((1, 1, 3, 2)))
+            >>> cache.lengths.tolist(), cache.block_tables, cache.dtype
+            ([3], [[0, 1]], dtype('float64'))
+        """
         xp = namespace_of(key=key, value=value)
         ks, vs = tuple(int(d) for d in key.shape), tuple(int(d) for d in value.shape)
         head = (self.batch_size, self.num_kv_heads)
@@ -279,6 +319,22 @@ class PagedKVCache:
                 raise ValueError(
                     f"sequence {b} has {nq[b]} new queries but holds only {kv[b]} tokens"
                 )
+        if (
+            self.use_kernel
+            and array_api_compat.is_cupy_array(query)
+            and kernel_supports(str(query.dtype), D, self.value_dim, attn_mask)
+        ):
+            return attend_with_kernel(
+                self,
+                query,
+                nq,
+                scale=1.0 / math.sqrt(D) if scale is None else float(scale),
+                causal=causal,
+                window=window,
+                softcap=softcap,
+                sinks=sinks,
+                alibi_slopes=alibi_slopes,
+            )
         G, dev = Hq // Hkv, device_of(query)
         cd = xp.float64 if query.dtype == xp.float64 else xp.float32
         S = max(kv)
@@ -304,16 +360,19 @@ class PagedKVCache:
         m = xp.full((B, Hkv, G, L, 1), -xp.inf, dtype=cd, device=dev)
         l_sum = xp.zeros((B, Hkv, G, L, 1), dtype=cd, device=dev)
         acc = xp.zeros((B, Hkv, G, L, self.value_dim), dtype=cd, device=dev)
-        n_steps = max((math.ceil(n / P) for n in kv), default=0)
+        # Each step reads `per` pages of every sequence (about keys_per_step keys).
+        per = max(1, self.keys_per_step // P)
+        W = per * P
+        n_steps = math.ceil(max((math.ceil(n / P) for n in kv), default=0) / per)
         # A sequence with fewer pages reads page 0 in the later steps, fully masked.
-        tables = np.zeros((B, n_steps), dtype=np.int64)
+        tables = np.zeros((B, n_steps * per), dtype=np.int64)
         for b, t in enumerate(self.block_tables):
             tables[b, : len(t)] = t
         for step in range(n_steps):
-            k, v = self._page_block(xp, tables[:, step])
-            k = xp.expand_dims(xp.astype(k, cd), axis=2)  # (B, Hkv, 1, P, D)
+            k, v = self._page_block(xp, tables[:, step * per : (step + 1) * per])
+            k = xp.expand_dims(xp.astype(k, cd), axis=2)  # (B, Hkv, 1, W, D)
             v = xp.expand_dims(xp.astype(v, cd), axis=2)
-            j = const(list(range(step * P, (step + 1) * P)), xp.int64, (1, 1, 1, 1, P))
+            j = const(list(range(step * W, (step + 1) * W)), xp.int64, (1, 1, 1, 1, W))
             filled = j < kvlen  # (B, 1, 1, 1, P): positions past a sequence's length are stale
             allowed = filled & qvalid
             if causal:
@@ -330,13 +389,13 @@ class PagedKVCache:
             if slope_rows is not None:
                 s = s - slope_rows * xp.astype(xp.abs(qpos - j), cd)
             if full_mask is not None:
-                block = _mask_block(xp, full_mask, step * P, P, S, (B, Hkv, G, L, P))
+                block = _mask_block(xp, full_mask, step * W, W, S, (B, Hkv, G, L, W))
                 if block.dtype == xp.bool:
                     allowed = allowed & block
                 else:
                     s = s + xp.astype(block, cd)
             s = xp.where(allowed, s, neg_inf)
-            v = xp.where(xp.reshape(filled, (B, 1, 1, P, 1)), v, zero)
+            v = xp.where(xp.reshape(filled, (B, 1, 1, W, 1)), v, zero)
             m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))
             m_safe = xp.where(m_new == neg_inf, zero, m_new)
             corr = xp.exp(m - m_safe)
@@ -354,13 +413,23 @@ class PagedKVCache:
         return xp.astype(xp.reshape(out, (B, Hq, L, self.value_dim)), query.dtype)
 
     def _page_block(self, xp: Any, pages: np.ndarray) -> tuple[Array, Array]:
-        # One page per sequence: a view of the page itself for a single sequence, else a
-        # block of B pages (never the whole cache).
-        if pages.shape[0] == 1:
-            p = int(pages[0])
+        """Keys ``(B, Hkv, n * P, D)`` and values of the pages ``pages (B, n)``: a view of
+        the page itself for one page of one sequence, else a block of ``B * n`` pages
+        (never the whole cache)."""
+        B, n = (int(d) for d in pages.shape)
+        if B == 1 and n == 1:
+            p = int(pages[0, 0])
             return self.keys[p : p + 1, ...], self.values[p : p + 1, ...]
-        ids = xp.asarray(pages.tolist(), dtype=xp.int64, device=self.device)
-        return xp.take(self.keys, ids, axis=0), xp.take(self.values, ids, axis=0)
+        ids = xp.asarray(pages.reshape(-1).tolist(), dtype=xp.int64, device=self.device)
+        out = []
+        for pool in (self.keys, self.values):
+            block = xp.take(pool, ids, axis=0)  # (B * n, Hkv, P, F)
+            if n > 1:
+                H, P, F = (int(d) for d in block.shape[1:])
+                block = xp.permute_dims(xp.reshape(block, (B, n, H, P, F)), (0, 2, 1, 3, 4))
+                block = xp.reshape(block, (B, H, n * P, F))
+            out.append(block)
+        return out[0], out[1]
 
     def __repr__(self) -> str:
         return (

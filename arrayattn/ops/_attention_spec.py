@@ -210,6 +210,9 @@ def make_spec(
     alibi_slopes: Array | None = None,
 ) -> AttentionSpec:
     """Validate an attention call (see ``SEMANTICS.md``) and derive its spec."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x is None:  # namespace_of skips None (the optional arrays)
+            raise TypeError(f"{name} must be an array from an array-API library, got None")
     xp = namespace_of(
         query=query,
         key=key,

@@ -29,7 +29,14 @@ How it works (see ``SEMANTICS.md`` for what it computes):
   pool's threads and BLAS's threads do not oversubscribe the cores. Without
   ``threadpoolctl`` the pool still runs; OpenBLAS then decides its own threading per
   product (``pip install threadpoolctl`` is recommended). ``ARRAYATTN_NUM_THREADS`` sets
-  the number of worker threads (default: the CPUs this process may use).
+  the number of worker threads (default: the CPUs this process may use), read at each
+  call; changing it at run time is safe (the pool only grows, and is never shut down
+  under a caller).
+- ``fork``: a forked child builds its own pool (``os.register_at_fork``), and a fork
+  waits for fast-path calls running in other threads (:class:`_ForkGate`).
+- Garbage (NaN/Inf) in excluded keys, values and query rows is checked for once per call
+  (only when the call excludes something) and kept out of every product
+  (:meth:`_Layout.prepare_garbage`).
 
 No buffer of ``L x S`` elements is ever allocated: per worker the largest buffers hold
 ``rows x key-block`` elements (:data:`BLOCK_ELEMENTS`).
@@ -38,6 +45,7 @@ No buffer of ``L x S`` elements is ever allocated: per worker the largest buffer
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -161,6 +169,7 @@ def _after_fork_in_child() -> None:
     _POOL_SIZE = 0
     _POOL_LOCK = threading.Lock()
     _BLAS_ONE_THREAD.reset_after_fork()
+    _FORK_GATE.after_fork_in_child()
 
 
 class _SingleThreadedBlas:
@@ -210,8 +219,58 @@ class _SingleThreadedBlas:
 
 _BLAS_ONE_THREAD = _SingleThreadedBlas()
 
+
+class _ForkGate:
+    """Keeps ``fork`` from happening while a fast-path call runs in another thread.
+
+    OpenBLAS's own fork handler waits for its threads; forked in the middle of a BLAS
+    product (or while the one-thread limit is applied), the parent hung inside ``fork``.
+    Calls enter the gate shared; ``os.fork`` (multiprocessing's "fork", Dask and
+    DataLoader workers) waits until running calls leave, holds new ones back, and the
+    child starts with the gate open. A fork therefore waits for running calls instead of
+    deadlocking."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._active = 0
+        self._forking = 0
+
+    def __enter__(self) -> None:
+        with self._cond:
+            while self._forking:
+                self._cond.wait()
+            self._active += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._active -= 1
+            if self._active == 0:
+                self._cond.notify_all()
+
+    def before_fork(self) -> None:
+        # The lock stays held across fork: no thread is inside the gate's bookkeeping.
+        self._cond.acquire()
+        self._forking += 1
+        while self._active:
+            self._cond.wait()
+
+    def after_fork_in_parent(self) -> None:
+        self._forking -= 1
+        self._cond.notify_all()
+        self._cond.release()
+
+    def after_fork_in_child(self) -> None:
+        self.__init__()
+
+
+_FORK_GATE = _ForkGate()
+
 if hasattr(os, "register_at_fork"):  # POSIX; spawn and forkserver children start fresh
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(
+        before=_FORK_GATE.before_fork,
+        after_in_parent=_FORK_GATE.after_fork_in_parent,
+        after_in_child=_after_fork_in_child,
+    )
 
 
 def _run_units(
@@ -308,38 +367,48 @@ class _Layout:
         self._raw[name] = a  # unbroadcast: data checks read each element once
         return np.broadcast_to(a, self.spec.lead + tail)
 
-    def prepare_garbage(self) -> None:
-        """Set up what keeps garbage (NaN/Inf) in excluded pairs out of every result
-        (SEMANTICS, "Garbage in masked positions"), checked on the data once per call:
+    def prepare_garbage(self, backward: bool = False) -> None:
+        """Set up what keeps garbage (NaN, Inf, or values so huge that products overflow)
+        in excluded pairs out of every result (SEMANTICS, "Garbage in masked
+        positions"), decided on the data once per call, only when the call excludes
+        something. One norm pass per input: a finite norm proves the entries finite.
 
-        - ``q_op``/``k_op``/``v_op``: the operands that meet excluded pairs' zero weights
-          in products (``P V``, ``dS K``, ``dS^T Q``, ``dO V^T``), with non-finite entries
-          zeroed; the inputs themselves when they are finite or nothing is excluded;
+        - ``v_op`` (and ``q_op``/``k_op`` for the backward): the operands that meet
+          excluded pairs' zero weights in products (``P V``, ``dS K``, ``dS^T Q``,
+          ``dO V^T``), with non-finite entries zeroed; the inputs themselves when finite;
         - ``v_bad``: ``(*lead, Hkv, S)`` indicator of value rows holding NaN/Inf (rows
           that attend to one become NaN), or ``None``;
-        - ``qk_garbage``: a float mask's ``-inf`` must be re-applied after the addition
-          (garbage score + -inf is NaN)."""
-        if self._garbage_ready:
-            return
-        self._garbage_ready = True
+        - ``qk_garbage``: scores may be non-finite, so a float mask's ``-inf`` must be
+          re-applied after the addition (``inf + -inf`` is NaN);
+        - ``v_norm``: the largest value-row norm (bounds ``dO V^T`` in the backward)."""
         spec = self.spec
-        self.q_op, self.k_op, self.v_op = self.q, self.k, self.v
-        self.v_bad = None
-        self.qk_garbage = False
-        if not spec.may_mask:
-            return
-        finite = {n: bool(np.isfinite(a).all()) for n, a in self._raw.items()}
-        lead = spec.lead
-        if not finite["q"]:
-            self.q_op = np.broadcast_to(_finite_or_zero(self._raw["q"]), self.q.shape)
-        if not finite["k"]:
-            self.k_op = np.broadcast_to(_finite_or_zero(self._raw["k"]), self.k.shape)
-        if not finite["v"]:
-            raw = self._raw["v"]
-            self.v_op = np.broadcast_to(_finite_or_zero(raw), self.v.shape)
-            bad = np.logical_not(np.isfinite(raw).all(axis=-1)).astype(self.cd)
-            self.v_bad = np.broadcast_to(bad, lead + (spec.Hkv, spec.S))
-        self.qk_garbage = spec.mask_kind == "float" and not (finite["q"] and finite["k"])
+        if not self._garbage_ready:
+            self._garbage_ready = True
+            self.q_op, self.k_op, self.v_op = self.q, self.k, self.v
+            self.v_bad = None
+            self.qk_garbage = False
+            self.v_norm = 0.0
+            self._qk_checked = False
+            if spec.may_mask:
+                raw = self._raw["v"]
+                self.v_norm = _max_norm(raw)
+                if not math.isfinite(self.v_norm) and not np.isfinite(raw).all():
+                    self.v_op = np.broadcast_to(_finite_or_zero(raw), self.v.shape)
+                    bad = np.logical_not(np.isfinite(raw).all(axis=-1)).astype(self.cd)
+                    self.v_bad = np.broadcast_to(bad, spec.lead + (spec.Hkv, spec.S))
+                    self.v_norm = _max_norm(_finite_or_zero(raw))
+        if spec.may_mask and not self._qk_checked and (backward or spec.mask_kind == "float"):
+            self._qk_checked = True
+            big = float(np.finfo(self.cd).max) / 4
+            norms = {}
+            for name in ("q", "k"):
+                raw = self._raw[name]
+                norms[name] = _max_norm(raw)
+                if not math.isfinite(norms[name]) and not np.isfinite(raw).all():
+                    op = np.broadcast_to(_finite_or_zero(raw), getattr(self, name).shape)
+                    setattr(self, f"{name}_op", op)
+            bound = norms["q"] * norms["k"] * abs(spec.scale)
+            self.qk_garbage = spec.mask_kind == "float" and not bound < big
 
     def kv_head(self, h: int) -> int:
         spec = self.spec
@@ -353,6 +422,12 @@ class _Layout:
 
 def _finite_or_zero(a: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(a), a, a.dtype.type(0))
+
+
+def _max_norm(a: np.ndarray) -> float:
+    """The largest row norm of ``a`` (``inf``/``nan`` when an entry is non-finite or the
+    squares overflow; 0 for an empty array)."""
+    return float(_norms(a).max()) if a.size else 0.0
 
 
 def _per_batch(lengths: Any, nb: int, default: int) -> list[int]:
@@ -501,59 +576,15 @@ class _FwdState:
         self.bool = _Scratch(rows, keys, np.bool_)
 
 
-def forward(
-    spec: AttentionSpec,
-    query: np.ndarray,
-    key: np.ndarray,
-    value: np.ndarray,
-    attn_mask: np.ndarray | None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Attention output ``(..., Hq, L, Ev)`` in the input dtype and LSE ``(..., Hq, L)``
-    in float32 (float64 for float64 inputs), as :func:`arrayattn.ops._composed.forward`,
-    computed tile by tile. Users reach it through ``scaled_dot_product_attention``.
+def _fork_safe(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn`` inside the fork gate (see :class:`_ForkGate`)."""
 
-    Examples:
-        >>> import numpy as np
-        >>> import arrayattn as aa
-        >>> q = np.ones((1, 2, 8, 4), dtype=np.float32)
-        >>> aa.scaled_dot_product_attention(q, q, q, implementation="fast").shape
-        (1, 2, 8, 4)
-    """
-    lay = _Layout(spec, query, key, value, attn_mask)
-    cd = lay.cd
-    nb = len(lay.lead_index)
-    out = np.empty(spec.lead + (spec.Hq, spec.L, spec.Ev), cd)
-    lse = np.empty(spec.lead + (spec.Hq, spec.L), cd)
+    @functools.wraps(fn)
+    def gated(*args: Any, **kwargs: Any) -> Any:
+        with _FORK_GATE:
+            return fn(*args, **kwargs)
 
-    rows = min(FWD_ROWS, spec.L)
-    width = max(1, min(spec.S, BLOCK_ELEMENTS // rows))
-    lay.prepare_garbage()
-    # Non-finite values: the exact path, which tracks the rows that attend to them.
-    static_bound = None if lay.v_bad is not None else _static_bounds(spec, lay)
-
-    units = []
-    for bi in range(nb):
-        for h in range(spec.Hq):
-            for r0, r1 in _spans(0, spec.L, rows):
-                rv = min(r1, lay.q_len[bi])
-                c0, c1 = lay.structs[bi].col_range(r0, rv, lay.kv_len[bi]) if rv > r0 else (0, 0)
-                units.append((c1 - c0, bi, h, r0, r1))
-    units.sort(key=lambda u: -u[0])  # longest first balances causal work
-    serial = spec.Hq * nb * spec.L * spec.S < _SERIAL_WORK
-
-    def make_state():
-        return _FwdState(rows, width, spec.E, spec.Ev, cd)
-
-    def work(state, unit):
-        _, bi, h, r0, r1 = unit
-        _forward_tile(spec, lay, state, static_bound, out, lse, bi, h, r0, r1, width)
-
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"):
-        _run_units(units, make_state, work, serial)
-        _merge_sinks(lay, out, lse)
-
-    out_user = out.astype(spec.dtype, copy=False).reshape(spec.out_shape)
-    return out_user, lse.reshape(spec.lse_shape)
+    return gated
 
 
 def _static_bounds(spec: AttentionSpec, lay: _Layout):
@@ -581,32 +612,6 @@ def _static_bounds(spec: AttentionSpec, lay: _Layout):
     if spec.softcap is not None:
         bound = np.minimum(bound, spec.softcap)
     return bound, room
-
-
-def _forward_tile(spec, lay, st, static_bound, out, lse, bi, h, r0, r1, width):
-    b = lay.lead_index[bi]
-    valid = min(r1, lay.q_len[bi])  # rows from q_len on are empty
-    if valid < r1:
-        out[b + (h, slice(max(r0, valid), r1))] = 0
-        lse[b + (h, slice(max(r0, valid), r1))] = -np.inf
-        if valid <= r0:
-            return
-        r1 = valid
-    c_lo, c_hi = lay.structs[bi].col_range(r0, r1, lay.kv_len[bi])
-    out_t = out[b + (h, slice(r0, r1))]
-    lse_t = lse[b + (h, slice(r0, r1))]
-    if c_hi <= c_lo:
-        out_t[...] = 0
-        lse_t[...] = -np.inf
-        return
-    static = False
-    if static_bound is not None:
-        bound, room = static_bound
-        static = float(bound[b + (h, slice(r0, r1))].max()) + room <= lay.limit
-    args = (spec, lay, st, bi, h, r0, r1, c_lo, c_hi, width, out_t, lse_t)
-    if static and _forward_rows(*args, static=True):
-        return
-    _forward_rows(*args, static=False)
 
 
 def _scores(spec, lay, st, structure, b, h, hk, r0, r1, c0, c1, q_t, s):
@@ -638,76 +643,6 @@ def _scaled_query(spec, lay, b, h, r0, r1, out):
     return out
 
 
-def _forward_rows(spec, lay, st, bi, h, r0, r1, c_lo, c_hi, width, out_t, lse_t, static):
-    """One tile. Returns ``False`` (having written nothing usable) when the static path's
-    row sums underflowed and the exact path must redo the tile."""
-    b = lay.lead_index[bi]
-    hk = lay.kv_head(h)
-    n = r1 - r0
-    q_t = _scaled_query(spec, lay, b, h, r0, r1, st.q[:n])
-    l_sum = np.zeros((n,), lay.cd)
-    m = None if static else np.full((n,), -np.inf, lay.cd)
-    dropout = spec.dropout_p > 0
-    first = True
-    structure = lay.structs[bi]
-    # P @ bad: non-zero on rows giving weight to a non-finite value row (made NaN).
-    touched = None if lay.v_bad is None else np.zeros((n,), lay.cd)
-    for c0, c1 in _key_spans(structure, r0, r1, c_lo, c_hi, width):
-        w = c1 - c0
-        s = st.s[:n, :w]
-        _scores(spec, lay, st, structure, b, h, hk, r0, r1, c0, c1, q_t, s)
-        if static:
-            np.exp(s, out=s)
-        else:
-            m_blk = np.max(s, axis=1)
-            m_new = np.maximum(m, m_blk)
-            shift = np.where(np.isfinite(m_new), m_new, 0.0).astype(lay.cd, copy=False)
-            if not first:
-                alpha = np.exp(m - shift)  # m = -inf gives 0: nothing accumulated yet
-                np.multiply(out_t, alpha[:, None], out=out_t)
-                np.multiply(l_sum, alpha, out=l_sum)
-                if touched is not None:
-                    np.multiply(touched, alpha, out=touched)
-            m = m_new
-            np.subtract(s, shift[:, None], out=s)
-            np.exp(s, out=s)
-        l_blk = np.matmul(s, st.ones[:w], out=st.l_tmp[:n])
-        np.add(l_sum, l_blk, out=l_sum)
-        if dropout:
-            rows_i = np.arange(r0, r1, dtype=np.int32).reshape(-1, 1)
-            cols_i = np.arange(c0, c1, dtype=np.int32)
-            keep = dropout_keep(
-                np, spec.seed, spec.dropout_p, np.int32(bi), np.int32(h), rows_i, cols_i
-            )
-            np.multiply(s, keep, out=s)
-        v_blk = lay.v_op[b + (hk, slice(c0, c1))]
-        if touched is not None:
-            touched += s @ lay.v_bad[b + (hk, slice(c0, c1))]
-        if first:
-            np.matmul(s, v_blk, out=out_t)
-        else:
-            tmp = np.matmul(s, v_blk, out=st.acc_tmp[:n])
-            np.add(out_t, tmp, out=out_t)
-        first = False
-    if static:
-        # Underflowed (or empty) rows: the exact path knows whether a row is empty.
-        if np.any(l_sum < lay.tiny):
-            return False
-        np.log(l_sum, out=lse_t)
-    else:
-        shift = np.where(np.isfinite(m), m, 0.0)
-        with np.errstate(divide="ignore"):
-            np.add(shift, np.log(l_sum), out=lse_t)
-        lse_t[l_sum <= 0] = -np.inf
-    inv = np.where(l_sum > 0, 1.0 / np.where(l_sum > 0, l_sum, 1.0), 0.0).astype(lay.cd)
-    if dropout:
-        inv *= 1.0 / (1.0 - spec.dropout_p)
-    np.multiply(out_t, inv[:, None], out=out_t)
-    if touched is not None:
-        out_t[touched != 0] = np.nan
-    return True
-
-
 # ---------------------------------------------------------------------------------------
 # Backward
 # ---------------------------------------------------------------------------------------
@@ -729,6 +664,7 @@ class _BwdState:
         self.dv = np.empty((keys, Ev), cd)
 
 
+@_fork_safe
 def backward(
     spec: AttentionSpec,
     query: np.ndarray,
@@ -767,7 +703,7 @@ def backward(
     nan_rows = np.isnan(lse_f)
     lse_safe = np.where(finite, lse_f, np.where(lse_f > 0, lse_f, 0.0))
     lse_safe = np.where(nan_rows, -np.finfo(cd).max, lse_safe).astype(cd)
-    lay.prepare_garbage()
+    lay.prepare_garbage(backward=True)
     limit = _BWD_STATIC_LIMIT[cd]
     with np.errstate(over="ignore"):
         a_static = np.where(finite, np.exp(-lse_safe), 0.0).astype(cd)
@@ -785,8 +721,13 @@ def backward(
         delta = delta - dl
     delta = delta.astype(cd, copy=False)
     # Rows where dP - D may be non-finite: their excluded pairs need dS = 0 explicitly
-    # (0 * NaN is NaN), as do the rows of a NaN LSE.
+    # (0 * NaN is NaN), as do the rows of a NaN LSE; all rows when dO V^T may overflow
+    # (huge finite garbage in an excluded value row).
     rows_bad = np.logical_or(nan_rows, np.logical_not(np.isfinite(delta)))
+    if spec.may_mask and d_out is not None:
+        do_norm = _max_norm(np.asarray(d_out, dtype=cd))
+        if not do_norm * lay.v_norm < float(np.finfo(cd).max) / 4:
+            rows_bad = np.ones_like(rows_bad)
 
     inv_total = _row_totals(spec, lay, lse_f, finite)
     bound = None
@@ -803,8 +744,15 @@ def backward(
     # gradient differ run to run. Each group owns its mask elements, so no lock either.
     groups = _mask_groups(spec, lay, nb)
     chunks = 1
+    key_width = BWD_KEYS
     if n_threads > 1 and len(groups) < 2 * n_threads:
-        chunks = max(1, min(n_key_blocks, -(-2 * n_threads // len(groups))))
+        want = -(-2 * n_threads // len(groups))
+        if spec.mask_kind == "float" and n_key_blocks < want:
+            # A broadcast float mask leaves few groups: narrower key chunks keep the
+            # pool busy (each chunk owns its mask columns).
+            key_width = min(BWD_KEYS, max(64, -(-spec.S // want)))
+            n_key_blocks = -(-spec.S // key_width)
+        chunks = max(1, min(n_key_blocks, want))
     dq_parts = np.zeros((chunks,) + lead + (spec.Hq, spec.L, spec.E), cd)
     dk_f = np.zeros(lead + (Hkv, spec.S, spec.E), cd)
     dv_f = np.zeros(lead + (Hkv, spec.S, spec.Ev), cd)
@@ -812,7 +760,7 @@ def backward(
     if spec.mask_kind == "float":
         d_mask_acc = np.zeros(lay.mask_padded_shape, cd)
 
-    key_spans = _spans(0, spec.S, BWD_KEYS)
+    key_spans = _spans(0, spec.S, key_width)
     per_chunk = -(-len(key_spans) // chunks)
     units = []
     for members in groups:
@@ -1109,6 +1057,11 @@ def _add_mask_grad(spec, ctx, b, h, r0, r1, c0, c1, g):
         idx.append(slice(c0, c1))
     view = acc[tuple(idx)]
     np.add(view, g, out=view)
+
+
+# The forward lives in its own module (GQA-stacked tiles, split-KV); it uses the layout,
+# scratch and pool helpers above.
+from ._fast_forward import forward  # noqa: E402
 
 
 def _register() -> None:

@@ -76,6 +76,14 @@ def register_implementation(
     declines still runs when the implementation is named (e.g. the chunked path, which
     ``"auto"`` picks only for large score matrices).
     """
+    if not isinstance(name, str) or not name or name == "auto":
+        raise ValueError(f"name must be a non-empty str other than 'auto', got {name!r}")
+    missing = [m for m in ("forward", "backward") if not callable(getattr(impl, m, None))]
+    if missing:
+        raise TypeError(
+            f"impl must provide forward and backward (see Implementation), got "
+            f"{type(impl).__name__} without {', '.join(missing)}"
+        )
     _REGISTRY[name] = _Registered(impl, declines, auto_rank, auto_declines)
 
 
@@ -94,17 +102,42 @@ def implementations() -> tuple[str, ...]:
 register_implementation("composed", _composed)
 
 
+def auto_choice(spec: AttentionSpec) -> str:
+    """The name of the implementation ``"auto"`` runs for ``spec``: a registered path
+    outside the cost model (the CuPy kernel) when it ranks first and takes the call,
+    else the cheapest by :mod:`arrayattn.ops._cost` among the composed, chunked and NumPy
+    fast paths that take it."""
+    from . import _cost
+
+    ranked = sorted(
+        ((n, r) for n, r in _REGISTRY.items() if r.auto_rank is not None),
+        key=lambda nr: nr[1].auto_rank,
+    )
+    candidates = []
+    for name, r in ranked:
+        if r.declines(spec) is not None:
+            continue
+        if r.auto_declines is not None and r.auto_declines(spec) is not None:
+            continue
+        if name not in _cost.MODELLED:
+            if not candidates:
+                return name
+            continue
+        candidates.append(name)
+    if not ("chunked" in candidates and _cost.composed_block_bytes(spec) > _chunk_limit()):
+        candidates.append("composed")
+    return _cost.choose(spec, candidates)
+
+
+def _chunk_limit() -> int:
+    from .chunked import AUTO_CHUNK_BYTES
+
+    return AUTO_CHUNK_BYTES
+
+
 def _select(spec: AttentionSpec, implementation: str) -> Any:
     if implementation == "auto":
-        ranked = sorted(
-            (r for r in _REGISTRY.values() if r.auto_rank is not None), key=lambda r: r.auto_rank
-        )
-        for r in ranked:
-            if r.declines(spec) is None and (
-                r.auto_declines is None or r.auto_declines(spec) is None
-            ):
-                return r.impl
-        return _composed
+        return _REGISTRY[auto_choice(spec)].impl
     reg = _REGISTRY.get(implementation)
     if reg is None:
         raise ValueError(
@@ -165,11 +198,12 @@ def scaled_dot_product_attention(
         return_lse: also return the log-sum-exp.
         implementation: ``"auto"`` or a name from :func:`implementations`
             (``"composed"``: whole ``L x S`` score matrices; ``"chunked"``: online
-            softmax over key blocks, memory ``O(L x block)``). ``"auto"`` tries the
-            registered paths by rank (a backend-specific fast path first, when one takes
-            the call), then ``"chunked"`` when the composed path's score matrix,
-            ``batch * Hq * L * S * 4`` bytes (8 for float64), would exceed
-            ``arrayattn.ops.chunked.AUTO_CHUNK_BYTES`` (256 MiB), else ``"composed"``.
+            softmax over key blocks, memory ``O(L x block)``). ``"auto"`` runs the CuPy
+            kernel when it takes the call, else the cheapest of ``"composed"``,
+            ``"chunked"`` and the NumPy ``"fast"`` path by a measured cost model
+            (``arrayattn.ops._cost``; docs: Performance, "How auto chooses"), never
+            ``"composed"`` when one of its row blocks would exceed
+            ``arrayattn.ops.chunked.AUTO_CHUNK_BYTES`` (256 MiB).
         q_lengths, kv_lengths: optional integer arrays of the broadcast batch shape
             (``(B,)`` for 4-D inputs; ``()`` for 3-D), same library and device: the
             number of valid queries / keys of each sequence (padding at the end; values

@@ -19,8 +19,9 @@ wholly inside the band skip the mask test. Every block computation (scores, mask
 dropout, the score gradient) is the one the composed path uses (``_composed``), so the
 two paths share a single definition of the semantics.
 
-``implementation="auto"`` uses this path when the composed path's score matrix would
-exceed :data:`AUTO_CHUNK_BYTES` (and no faster registered path takes the call).
+``implementation="auto"`` uses this path when the cost model (``_cost``) finds it the
+cheapest, and always instead of the composed path when one of the composed path's row
+blocks would exceed :data:`AUTO_CHUNK_BYTES`.
 """
 
 from __future__ import annotations
@@ -42,16 +43,28 @@ __all__ = [
     "score_matrix_bytes",
 ]
 
-BLOCK_Q = 128
-"""Default query rows per block (a keyword ``block_q=`` overrides it per call)."""
+BLOCK_Q: int | None = None
+"""Query rows per block; ``None`` (the default): chosen per call by :func:`block_sizes`
+(a keyword ``block_q=`` overrides it per call)."""
 
-BLOCK_K = 256
-"""Default keys per block (a keyword ``block_k=`` overrides it per call)."""
+BLOCK_K: int | None = None
+"""Keys per block; ``None`` (the default): chosen per call by :func:`block_sizes`
+(a keyword ``block_k=`` overrides it per call)."""
+
+BLOCK_BYTES = 8 * 2**20
+"""Target size of one block's score matrix over all batches and heads (compute dtype):
+large enough that each array-API call does a lot of work (few, large products), small
+enough that fresh blocks reuse the allocator's memory and stay near the cache (and at
+most 1/16 of the whole score matrix, since this path exists to bound memory)."""
+MIN_BLOCK_ROWS = 16
+MIN_BLOCK_KEYS = 128
+STRUCTURED_ROW_BLOCKS = 8
 
 AUTO_CHUNK_BYTES = 256 * 2**20
-"""``implementation="auto"`` switches from the composed path to this one when the composed
-path's score matrix, ``batch * Hq * L * S * itemsize`` bytes in the compute dtype (4 for
-float16/float32 inputs, 8 for float64), would exceed this many bytes (256 MiB)."""
+"""``implementation="auto"`` never runs the composed path when one of its row blocks'
+score matrices, ``batch * Hq * rows * keys * itemsize`` bytes in the compute dtype (4 for
+float16/float32 inputs, 8 for float64), would exceed this many bytes (256 MiB): a
+single query row over a very long key range, for example."""
 
 
 def score_matrix_bytes(spec: AttentionSpec) -> int:
@@ -61,35 +74,73 @@ def score_matrix_bytes(spec: AttentionSpec) -> int:
     return spec.batch_size * spec.Hq * spec.L * spec.S * itemsize
 
 
-def _auto_declines(spec: AttentionSpec) -> str | None:
-    if score_matrix_bytes(spec) > AUTO_CHUNK_BYTES:
-        return None
-    return (
-        f"the score matrix ({score_matrix_bytes(spec)} bytes) fits under "
-        f"AUTO_CHUNK_BYTES={AUTO_CHUNK_BYTES}; the composed path is faster there"
-    )
+def block_sizes(spec: AttentionSpec) -> tuple[int, int]:
+    """``(block_q, block_k)`` for a call, from ``L``, ``S``, the batch and heads and the
+    compute dtype: all keys in one block when :data:`BLOCK_BYTES` holds at least
+    :data:`MIN_BLOCK_ROWS` rows of them (an exact softmax, no rescaling), else square-ish
+    blocks of that budget. ``E``/``Ev`` only add ``(block_q + block_k) x E`` operands.
+
+    Examples:
+        >>> import numpy as np
+        >>> from arrayattn.ops._attention_spec import make_spec
+        >>> q = np.ones((1, 8, 2048, 64), np.float32)
+        >>> spec = make_spec(q, q, q, None, 0.0, False, None, False, "top_left", None,
+        ...                  None, None)
+        >>> block_sizes(spec)
+        (128, 2048)
+    """
+    itemsize = 8 if spec.cdtype == spec.xp.float64 else 4
+    per_pair = max(1, spec.batch_size * spec.Hq) * itemsize
+    # At most 1/16 of the whole score matrix: this path exists to bound memory.
+    budget = min(BLOCK_BYTES, max(2**18, score_matrix_bytes(spec) // 16))
+    elements = max(1, budget // per_pair)  # scores per (batch, head) in one block
+    L, S = max(1, spec.L), max(1, spec.S)
+    if elements >= MIN_BLOCK_ROWS * S:
+        bq, bk = min(L, elements // S), S
+    else:
+        bq = min(L, max(MIN_BLOCK_ROWS, int(math.isqrt(elements))))
+        bk = min(S, max(MIN_BLOCK_KEYS, elements // bq))
+    if not spec.structure.is_trivial:
+        # Skipping works per block: causal/windowed calls use several row blocks (the
+        # forward trims each to the keys its rows see; the backward's key grid is
+        # kept within a few row blocks' width).
+        bq = min(bq, max(MIN_BLOCK_ROWS, -(-L // STRUCTURED_ROW_BLOCKS)))
+        bk = min(bk, max(MIN_BLOCK_KEYS, 4 * bq))
+    return bq, bk
 
 
-def _block_sizes(block_q: int | None, block_k: int | None) -> tuple[int, int]:
+def _block_sizes(
+    block_q: int | None, block_k: int | None, spec: AttentionSpec | None = None
+) -> tuple[int, int]:
     bq = BLOCK_Q if block_q is None else block_q
     bk = BLOCK_K if block_k is None else block_k
+    if (bq is None or bk is None) and spec is not None:
+        auto_q, auto_k = block_sizes(spec)
+        bq = auto_q if bq is None else bq
+        bk = auto_k if bk is None else bk
     for name, b in (("block_q", bq), ("block_k", bk)):
+        if b is None and spec is None:  # ChunkedAttention() without sizes: chosen per call
+            continue
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ValueError(f"{name} must be a positive int, got {b!r}")
     return bq, bk
 
 
-def _key_blocks(spec: AttentionSpec, r0: int, r1: int, bk: int):
+def _key_blocks(spec: AttentionSpec, r0: int, r1: int, bk: int, clip: bool = False):
     """``(index, c0, c1, inside)`` for the key blocks (on the fixed grid of size ``bk``)
     that rows ``[r0, r1)`` may see; ``inside`` is True when the whole block lies inside
-    the causal/window band, so the structural mask test can be skipped."""
+    the causal/window band, so the structural mask test can be skipped. ``clip=True``
+    (the forward, which needs no grid) trims the blocks to the keys the rows can see."""
     st = spec.structure
     lo, hi = st.col_range(r0, r1, spec.S, offset_bounds=spec.offset_bounds)
     if lo >= hi:  # (lo may even exceed S for a window past the last key)
         return
     for c0 in range((lo // bk) * bk, hi, bk):
         c1 = min(c0 + bk, spec.S)
-        yield c0 // bk, c0, c1, _inside(spec, r0, r1, c0, c1)
+        j = c0 // bk
+        if clip:
+            c0, c1 = max(c0, lo), min(c1, hi)
+        yield j, c0, c1, _inside(spec, r0, r1, c0, c1)
 
 
 def _inside(spec: AttentionSpec, r0: int, r1: int, c0: int, c1: int) -> bool:
@@ -145,7 +196,7 @@ def forward(
         >>> out.shape, lse.shape
         ((1, 2, 5, 4), (1, 2, 5))
     """
-    bq, bk = _block_sizes(block_q, block_k)
+    bq, bk = _block_sizes(block_q, block_k, spec)
     if spec.L == 0:
         return _composed.forward(spec, query, key, value, attn_mask)
     xp = spec.xp
@@ -154,54 +205,80 @@ def forward(
     qg, kg, vg, mask_g = _composed._prepare(spec, query, key, value, attn_mask)
     # Garbage in excluded value rows must not meet P's zeros (0 * NaN is NaN).
     vc, bad = _composed.value_operands(spec, vg)
+    v_ext, cols_ext = _composed.value_columns(spec, vc, bad)
     neg_inf = full_scalar(xp, -math.inf, cd, dev)
     zero = full_scalar(xp, 0.0, cd, dev)
     one = full_scalar(xp, 1.0, cd, dev)
     rows_shape = spec.lead + (spec.Hq // spec.G, spec.G)
+    if spec.scale != 1.0:
+        qg = qg * spec.scale  # on the l x E queries, not on every l x s block
+    # Index arrays only when a block needs them (structure edge, lengths, dropout).
+    need_index = spec.has_lengths or spec.dropout_p > 0 or spec.alibi_g is not None
 
     outs, lses = [], []
     for r0 in range(0, spec.L, bq):
         r1 = min(r0 + bq, spec.L)
-        q_blk = qg[..., r0:r1, :]
-        m = xp.full(rows_shape + (r1 - r0, 1), -math.inf, dtype=cd, device=dev)
-        total = xp.zeros(rows_shape + (r1 - r0, 1), dtype=cd, device=dev)
-        acc = xp.zeros(rows_shape + (r1 - r0, spec.Ev), dtype=cd, device=dev)
-        touched = None if bad is None else xp.zeros_like(total)
-        for _, c0, c1, inside in _key_blocks(spec, r0, r1, bk):
-            rows, cols = _composed.index_block(spec, r0, r1, c0, c1)
+        q_blk = qg if (r0, r1) == (0, spec.L) else qg[..., r0:r1, :]
+        m = total = acc = None
+        for _, c0, c1, inside in _key_blocks(spec, r0, r1, bk, clip=True):
+            rows = cols = None
+            if need_index or not inside:
+                rows, cols = _composed.index_block(spec, r0, r1, c0, c1)
+            k_blk, v_blk = (x if (c0, c1) == (0, spec.S) else x[..., c0:c1, :] for x in (kg, v_ext))
             s, _ = _composed.scores_block(
                 spec,
                 q_blk,
-                kg[..., c0:c1, :],
+                k_blk,
                 _mask_block(mask_g, r0, r1, c0, c1),
                 rows,
                 cols,
                 check_structure=not inside,
+                q_scaled=True,
             )
-            m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))
+            m_blk = xp.max(s, axis=-1, keepdims=True)
+            m_new = m_blk if m is None else xp.maximum(m, m_blk)
             # A row that has seen no key yet keeps m = -inf; shift it by 0 instead, so
             # exp gives 0 and never NaN.
             m_safe = xp.where(xp.isfinite(m_new), m_new, zero)
-            alpha = xp.exp(m - m_safe)
             p = xp.exp(s - m_safe)
-            total = total * alpha + xp.sum(p, axis=-1, keepdims=True)
+            t = None
+            if cols_ext.total is None:  # (with dropout: the sum of the undropped p)
+                t = xp.sum(p, axis=-1, keepdims=True)
             if spec.dropout_p > 0:
                 p = _composed.apply_dropout(spec, p, rows, cols)
-            acc = acc * alpha + xp.matmul(p, vc[..., c0:c1, :])
-            if touched is not None:  # rescaled like acc, so it matches the composed P @ bad
-                touched = touched * alpha + xp.matmul(p, bad[..., c0:c1, :])
+            # [P V | P 1 | P bad]: the output, the row sums and the rows that give weight
+            # to a non-finite value, in one product (and one rescale).
+            pv = _composed.group_matmul(xp, p, _composed.kv_rows(xp, v_blk))
+            if m is None:  # first block: nothing to rescale
+                acc, total = pv, t
+            else:
+                alpha = xp.exp(m - m_safe)
+                acc = acc * alpha + pv
+                if t is not None:
+                    total = total * alpha + t
             m = m_new
+        if m is None:  # no key block for these rows (a sink still gives them an LSE)
+            out_b, lse_b = _composed.merge_sinks(
+                spec,
+                xp.zeros(rows_shape + (r1 - r0, spec.Ev), dtype=cd, device=dev),
+                xp.full(rows_shape + (r1 - r0, 1), -math.inf, dtype=cd, device=dev),
+            )
+            outs.append(xp.broadcast_to(out_b, rows_shape + (r1 - r0, spec.Ev)))
+            lses.append(xp.broadcast_to(lse_b, rows_shape + (r1 - r0, 1)))
+            continue
+        out_b, total_g, touched = cols_ext.split(acc)
+        total = total_g if total is None else total
         # Empty means a total of exactly 0; a NaN total (a NaN score) keeps LSE NaN.
         empty = total == zero
         total_safe = xp.where(empty, one, total)
         m_safe = xp.where(xp.isfinite(m), m, zero)
-        out_blk, lse_blk = _composed.merge_sinks(
+        out_b, lse_b = _composed.merge_sinks(
             spec,
-            _composed.poison_rows(spec, acc / total_safe, touched),
+            _composed.poison_rows(spec, out_b / total_safe, touched),
             xp.where(empty, neg_inf, m_safe + xp.log(total_safe)),
         )
-        outs.append(out_blk)
-        lses.append(lse_blk)
+        outs.append(xp.broadcast_to(out_b, rows_shape + (r1 - r0, spec.Ev)))
+        lses.append(xp.broadcast_to(lse_b, rows_shape + (r1 - r0, 1)))
     out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
     lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=-2)
     out = spec.ungroup_out(xp.astype(out, spec.dtype, copy=False))
@@ -238,7 +315,7 @@ def backward(
         >>> dq.shape, dk.shape, dv.shape, dm
         ((1, 2, 5, 4), (1, 2, 5, 4), (1, 2, 5, 4), None)
     """
-    bq, bk = _block_sizes(block_q, block_k)
+    bq, bk = _block_sizes(block_q, block_k, spec)
     if spec.L == 0:
         return _composed.backward(spec, query, key, value, attn_mask, out, lse, d_out, d_lse)
     xp = spec.xp
@@ -440,7 +517,8 @@ class ChunkedAttention:
     """
 
     def __init__(self, block_q: int | None = None, block_k: int | None = None):
-        self.block_q, self.block_k = _block_sizes(block_q, block_k)
+        _block_sizes(1 if block_q is None else block_q, 1 if block_k is None else block_k)
+        self.block_q, self.block_k = block_q, block_k
 
     def forward(self, spec, query, key, value, attn_mask):
         return forward(
@@ -475,6 +553,4 @@ class _DefaultChunked:
 
 # After a faster registered path (the NumPy fast path ranks lower), before composed.
 AUTO_RANK = 50
-register_implementation(
-    "chunked", _DefaultChunked(), auto_rank=AUTO_RANK, auto_declines=_auto_declines
-)
+register_implementation("chunked", _DefaultChunked(), auto_rank=AUTO_RANK)

@@ -11,7 +11,9 @@ __all__ = ["split_heads", "merge_heads", "repeat_kv"]
 
 
 def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
+    if int(value) < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return int(value)
 

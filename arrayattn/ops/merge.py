@@ -117,9 +117,17 @@ def merge_attention_states(outs: Sequence[Array], lses: Sequence[Array]) -> tupl
 def _weighted_sum(xp: Any, cd: Any, weights: list[Array], outs: Sequence[Array]) -> Array:
     out = None
     for a, o in zip(weights, outs, strict=True):
-        term = a[..., None] * xp.astype(o, cd)
+        term = _times(xp, a[..., None], xp.astype(o, cd))
         out = term if out is None else out + term
     return out
+
+
+def _times(xp: Any, a: Array, x: Array) -> Array:
+    """``a * x`` that is 0 where the weight ``a`` is 0: a part with no key (LSE ``-inf``)
+    may carry garbage (an uninitialised split) that must not reach the merge, and
+    ``0 * NaN`` is NaN."""
+    zero = full_scalar(xp, 0.0, x.dtype, device_of(x))
+    return xp.where(a == zero, zero, a * x)
 
 
 @register_vjp(merge_attention_states)
@@ -152,7 +160,7 @@ def _merge_vjp(outs: Sequence[Array], lses: Sequence[Array]):
                 d_l = xp.zeros(tuple(a.shape), dtype=cd, device=device_of(o))
             else:
                 d_outs.append(xp.astype(a[..., None] * g, o.dtype))
-                d_l = a * xp.sum(g * (xp.astype(o, cd) - out_c), axis=-1)
+                d_l = _times(xp, a, xp.sum(g * (xp.astype(o, cd) - out_c), axis=-1))
             if gl is not None:
                 d_l = d_l + a * gl
             d_lses.append(d_l)

@@ -11,20 +11,26 @@ import numbers
 from typing import Any
 
 from .._autodiff import register_vjp
-from .._backend import Array, compute_dtype, is_real_floating, namespace_of, sum_to_shape
+from .._backend import (
+    Array,
+    compute_dtype,
+    is_real_floating,
+    namespace_of,
+    require_arrays,
+    sum_to_shape,
+)
 
 __all__ = ["rms_norm", "layer_norm"]
 
 
 def _check(x: Array, eps: float, **params: Array | None) -> tuple[Any, tuple[int, ...]]:
+    require_arrays(x=x)
     xp = namespace_of(x=x, **params)
     if not is_real_floating(xp, x.dtype):
         raise TypeError(f"x must have a real floating dtype, got {x.dtype}")
-    if (
-        isinstance(eps, bool)
-        or not isinstance(eps, numbers.Real)
-        or not (math.isfinite(eps) and eps >= 0)
-    ):
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps must be a finite number >= 0, got {type(eps).__name__} {eps!r}")
+    if not (math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
     nd = 1
     for p in params.values():

@@ -20,6 +20,7 @@ from .._backend import (
     device_of,
     is_real_floating,
     namespace_of,
+    require_arrays,
     resolve_namespace,
 )
 from .rope_scaling import inv_freq_list, real_dtype
@@ -144,6 +145,7 @@ def polar(xp: Any, angles: Array, scale: float = 1.0) -> Array:
 
 
 def _check_apply(x: Array, freqs: Array, layout: str) -> tuple[Any, int]:
+    require_arrays(x=x, freqs=freqs)
     xp = namespace_of(x=x, freqs=freqs)
     if not is_real_floating(xp, x.dtype):
         raise TypeError(f"x must have a real floating dtype, got {x.dtype}")

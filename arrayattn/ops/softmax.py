@@ -21,7 +21,9 @@ def _check(x: Array, axis: int) -> Any:
     xp = namespace_of(x=x)
     if not is_real_floating(xp, x.dtype):
         raise TypeError(f"x must have a real floating dtype, got {x.dtype}")
-    if isinstance(axis, bool) or not isinstance(axis, int) or not -x.ndim <= axis < max(x.ndim, 1):
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise TypeError(f"axis must be an int, got {type(axis).__name__} {axis!r}")
+    if not -x.ndim <= axis < max(x.ndim, 1):
         raise ValueError(f"axis must be an int in [-{x.ndim}, {x.ndim}), got {axis!r}")
     return xp
 

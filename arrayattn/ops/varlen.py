@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._autodiff import register_vjp, vjp
-from .._backend import Array, Namespace, device_of, lse_dtype, namespace_of
+from .._backend import Array, Namespace, device_of, lse_dtype, namespace_of, require_arrays
 from ._attention_spec import make_spec
 from .attention import implementations, scaled_dot_product_attention, split_cotangent
 
@@ -97,9 +97,13 @@ def _unpad(xp: Namespace, y: Array, pk: _Packing) -> Array:
 
 def _max_len(xp: Namespace, name: str, given: Any, cu: Array, total: int) -> int:
     if given is not None:
-        if isinstance(given, bool) or not isinstance(given, numbers.Integral) or given < 0:
+        if isinstance(given, bool) or not isinstance(given, numbers.Integral):
+            raise TypeError(f"{name} must be an int >= 0 (or None), got {type(given).__name__}")
+        if given < 0:
             raise ValueError(f"{name} must be an int >= 0 (or None), got {given!r}")
-        return int(given)
+        # No sequence is longer than the packed total: a larger value (10**7 for a few
+        # tokens) would only size padding, gigabytes of it. Read without a device sync.
+        return min(int(given), total)
     # Not given: read the offsets once (a device->host sync) and check them on the way.
     n = int(cu.shape[0]) - 1
     first, last = int(cu[0]), int(cu[-1])
@@ -118,6 +122,13 @@ def _max_len(xp: Namespace, name: str, given: Any, cu: Array, total: int) -> int
 
 
 def _validate(query, key, value, cu_seqlens_q, cu_seqlens_k):
+    require_arrays(
+        query=query,
+        key=key,
+        value=value,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+    )
     xp = namespace_of(
         query=query,
         key=key,
@@ -221,8 +232,10 @@ def varlen_attention(
 
     ``max_seqlen_q``/``max_seqlen_k`` (Python ints, the longest sequence) size the padded
     batch; when left ``None`` they are read from ``cu_seqlens`` (a device->host sync,
-    which also validates the offsets; pass them under ``jax.jit``). Values smaller than a
-    real length truncate that sequence silently.
+    which also validates the offsets; pass them under ``jax.jit``). Values above the
+    packed length ``total_q``/``total_k`` are clipped to it (no sequence is longer), so
+    an oversized bound costs no memory. Values smaller than a real length truncate that
+    sequence silently.
 
     Examples:
         >>> import numpy as np

@@ -10,6 +10,8 @@ import math
 import numpy as np
 import pytest
 from _helpers import thin
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from arrayattn.nn import KVCache, MultiHeadAttention, PagedKVCache
 
@@ -237,10 +239,19 @@ def test_paged_attention_reads_one_page_per_sequence_per_step(monkeypatch):
         return k, v
 
     monkeypatch.setattr(PagedKVCache, "_page_block", spy)
+    monkeypatch.setattr(PagedKVCache, "keys_per_step", 2)  # one page per step
     x = np.random.default_rng(12).standard_normal((3, 5, 16))
-    mha(p, x, cache=cache, lengths=N)
+    want = mha(p, x, lengths=N)
+    got = mha(p, x, cache=cache, lengths=N)
     assert blocks and all(s == (3, 2, 2, 4) for s in blocks)  # B pages of (Hkv, P, D)
     assert len(blocks) == 3  # ceil(max length 5 / page size 2) steps
+    monkeypatch.setattr(PagedKVCache, "keys_per_step", 4)  # two pages per step
+    blocks.clear()
+    cache.free()
+    np.testing.assert_allclose(mha(p, x, cache=cache, lengths=N), got, **TOL)
+    assert blocks == [(3, 2, 4, 4), (3, 2, 4, 4)]
+    for b, n in enumerate(N):
+        np.testing.assert_allclose(got[b, :n], want[b, :n], **TOL)
 
 
 def plain_attention(q, k, v, nq, *, scale, causal, window, softcap, sinks, slopes, mask):
@@ -283,8 +294,10 @@ def plain_attention(q, k, v, nq, *, scale, causal, window, softcap, sinks, slope
         dict(causal=False, sinks=True, alibi=True, mask=True),
     ],
 )
-def test_paged_attend_equals_plain_attention(backend, opts):
+@pytest.mark.parametrize("keys_per_step", [1, 6, 128])  # 1 or 2 pages per step, or all
+def test_paged_attend_equals_plain_attention(backend, opts, keys_per_step, monkeypatch):
     thin(backend, False)
+    monkeypatch.setattr(PagedKVCache, "keys_per_step", keys_per_step)
     rng = np.random.default_rng(13)
     B, Hq, Hkv, D, Dv, P = 3, 4, 2, 5, 3, 3
     kv_len, nq = [7, 2, 0], [2, 1, 0]
@@ -380,3 +393,58 @@ def test_cache_dtype_follows_the_parameters_with_or_without_xp(backend):
         mha(p, x, cache=cache)
         assert cache.dtype == backend.xp.float64, cache
         assert cache.lengths.tolist() == [2, 2, 2]
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(
+    page_size=st.integers(1, 4),
+    schedule=st.lists(st.lists(st.integers(0, 3), min_size=2, max_size=2), min_size=1, max_size=5),
+    finish=st.integers(0, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_any_schedule_of_ragged_appends_equals_recomputation(page_size, schedule, finish, seed):
+    """Two sequences, each call adding 0-3 tokens per row (right-padded), the first
+    sequence replaced by a new one after ``finish`` calls: the contiguous and the paged
+    cache (pages shuffled) give each sequence's uncached result at every real row."""
+    mha = MultiHeadAttention(
+        embed_dim=8, num_heads=2, num_kv_heads=1, rope="interleaved", causal=True, softcap=4.0
+    )
+    p = params(mha, seed % 97)
+    rng = np.random.default_rng(seed)
+    caches = [
+        mha.new_cache(2, 16),
+        mha.new_paged_cache(2, num_pages=32 // page_size + 2, page_size=page_size),
+    ]
+    rng.shuffle(caches[1].free_pages)
+    seqs = [[], []]  # the tokens of each row's current sequence
+    for call, n in enumerate(schedule):
+        if call == finish:
+            for c in caches:
+                c.reset(0)
+            seqs[0] = []
+        x = rng.standard_normal((2, max(max(n), 1), 8))
+        outs = [mha(p, x, cache=c, lengths=n) for c in caches]
+        for b in range(2):
+            seqs[b].extend(x[b, : n[b]])
+            if n[b]:
+                want = alone(mha, p, np.array(seqs[b]))[-n[b] :]
+                for out in outs:
+                    np.testing.assert_allclose(out[b, : n[b]], want, **TOL)
+        for c in caches:
+            assert c.lengths.tolist() == [len(s) for s in seqs]
+
+
+def test_need_weights_with_a_per_sequence_cache_equal_recomputation():
+    mha = MultiHeadAttention(**CFG)
+    p = params(mha, 21)
+    x = np.random.default_rng(22).standard_normal((3, 5, 16))
+    cache = mha.new_cache(3, 8)
+    _, w = mha(p, x, cache=cache, lengths=N, need_weights=True, average_attn_weights=False)
+    step = np.random.default_rng(23).standard_normal((3, 1, 16))
+    _, w_step = mha(p, step, cache=cache, need_weights=True, average_attn_weights=False)
+    for b, n in enumerate(N):
+        seq = np.concatenate([x[b, :n], step[b]])[None]
+        _, want = mha(p, seq, need_weights=True, average_attn_weights=False)
+        np.testing.assert_allclose(w[b, :, :n, :n], want[0, :, :n, :n], **TOL)
+        np.testing.assert_allclose(w_step[b, :, 0, : n + 1], want[0, :, n], **TOL)
+        assert not np.any(w_step[b, :, 0, n + 1 :])  # other rows' positions: no weight

@@ -318,3 +318,21 @@ def test_load_renames_by_mapping_or_function_and_names_missing_and_unexpected():
         strict=False,
     )
     assert set(ok) == set(p)
+
+
+def test_left_padding_rotates_explicit_positions_and_freqs_with_the_rows():
+    mha = MultiHeadAttention(**SELF["full-qk-rms-rope"])
+    p = perturbed(mha, 18)
+    rng = np.random.default_rng(19)
+    n = [5, 3]
+    right = rng.standard_normal((2, 5, mha.embed_dim))
+    left = np.stack([np.roll(right[b], 5 - n[b], axis=0) for b in range(2)])
+    pos_r = np.array([[7, 8, 9, 10, 11], [2, 3, 4, 0, 0]])
+    pos_l = np.stack([np.roll(pos_r[b], 5 - n[b]) for b in range(2)])
+    want = mha(p, right, lengths=n, positions=pos_r)
+    got = mha(p, left, lengths=n, padding_side="left", positions=pos_l)
+    f_l = np.exp(1j * rope_angles(pos_l, mha.dim_per_head, mha.rope_theta))
+    got_f = mha(p, left, lengths=n, padding_side="left", freqs=f_l)
+    for b, nb in enumerate(n):
+        np.testing.assert_allclose(got[b, 5 - nb :], want[b, :nb], **TOL)
+        np.testing.assert_allclose(got_f[b, 5 - nb :], want[b, :nb], **TOL)

@@ -279,3 +279,64 @@ def test_packed_cross_attention_loaded_from_a_torch_state_dict_equals_torch():
         np.testing.assert_allclose(ours, theirs.grad.numpy(), **TOL)
     np.testing.assert_allclose(g.params["qkv_proj.weight"], ref.in_proj_weight.grad.numpy(), **TOL)
     np.testing.assert_allclose(g.params["qkv_proj.bias"], ref.in_proj_bias.grad.numpy(), **TOL)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 3])
+def test_gpt_oss_attention_with_sinks_equals_transformers_eager_attention(sliding_window):
+    """The attention core is transformers' own gpt-oss ``eager_attention_forward`` (sinks
+    concatenated as an extra logit column); projections, GQA and rotate_half RoPE around it
+    as in ``GptOssAttention``; forward and autograd gradients, the sinks' included."""
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    E, Hq, Hkv, D, B, L = 16, 4, 2, 4, 2, 6
+    mha = MultiHeadAttention(
+        embed_dim=E,
+        num_heads=Hq,
+        num_kv_heads=Hkv,
+        head_dim=D,
+        sinks=True,
+        rope="half",
+        rope_theta=150000.0,
+        causal=True,
+        window=None if sliding_window is None else (sliding_window - 1, 0),
+    )
+    p = random_params(mha, 11)
+    rng = np.random.default_rng(12)
+    x, dy = rng.standard_normal((B, L, E)), rng.standard_normal((B, L, E))
+    w = {k: t64(v) for k, v in p.items()}
+    xt = t64(x)
+
+    class Module(torch.nn.Module):
+        num_key_value_groups = Hq // Hkv
+
+        def __init__(self):
+            super().__init__()
+            self.sinks = w["sinks"]
+
+    def proj(name, n):
+        y = xt @ w[f"{name}.weight"].T + w[f"{name}.bias"]
+        return y.view(B, L, n, D).transpose(1, 2)
+
+    q, k, v = proj("q_proj", Hq), proj("k_proj", Hkv), proj("v_proj", Hkv)
+    inv = 1.0 / 150000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ang = torch.arange(L, dtype=torch.float64)[:, None] * inv[None, :]
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+
+    def rotate_half(t):
+        return torch.cat((-t[..., D // 2 :], t[..., : D // 2]), dim=-1)
+
+    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    allowed = j <= i
+    if sliding_window is not None:
+        allowed = allowed & (j > i - sliding_window)
+    mask = torch.where(allowed, 0.0, float("-inf")).to(torch.float64)[None, None]
+    o, _ = gpt_oss.eager_attention_forward(Module(), q, k, v, mask, scaling=D**-0.5)
+    out_t = o.reshape(B, L, Hq * D) @ w["o_proj.weight"].T + w["o_proj.bias"]
+    out_t.backward(torch.tensor(dy))
+
+    out, pullback = mha.vjp(p, x)
+    g = pullback(dy)
+    np.testing.assert_allclose(out, out_t.detach().numpy(), **TOL)
+    np.testing.assert_allclose(g.x, xt.grad.numpy(), **TOL)
+    for name in w:
+        np.testing.assert_allclose(g.params[name], w[name].grad.numpy(), **TOL, err_msg=name)

@@ -362,12 +362,13 @@ def test_memory_is_blockwise():
     assert peak - base < score_bytes / 4, f"peak growth {peak - base} bytes"
 
 
-def test_auto_picks_chunked_above_the_documented_size(backend, monkeypatch):
+def test_auto_never_runs_composed_blocks_above_the_documented_size(backend, monkeypatch):
     if backend.name in ("numpy", "cupy"):
         pytest.skip("a backend-specific fast path may rank before the array-API paths")
     q = backend.asarray(np.zeros((2, 3, 5, 4)))
     spec = make_spec(q, q, q, None, 0.0, False, None, False, "top_left", None, None, None)
     assert chunked.score_matrix_bytes(spec) == 2 * 3 * 5 * 5 * 8
+    assert _select(spec, "auto") is _composed  # small: the cost model's choice
     monkeypatch.setattr(chunked, "AUTO_CHUNK_BYTES", chunked.score_matrix_bytes(spec) - 1)
     assert _select(spec, "auto") is _REGISTRY["chunked"].impl
     monkeypatch.setattr(chunked, "AUTO_CHUNK_BYTES", chunked.score_matrix_bytes(spec))

@@ -1,0 +1,181 @@
+"""The cost model behind ``implementation="auto"``: estimated seconds of each path.
+
+Each of the composed, chunked and NumPy fast paths costs, for a call,
+
+    call + step * steps + mat * products + elem * elements / elem_threads
+         + mac * multiply_adds / threads
+
+where ``steps`` is the number of Python-level tiles or blocks the path runs (its
+per-call overhead grows with them), ``products`` the small matrix products a batched
+``matmul`` runs one by one (one per KV head, batch entry and block: the GQA group's
+query rows are stacked into one), ``elements`` the score elements it computes (the
+elementwise passes: ``exp``, max, sums, masks), ``multiply_adds`` the products' work
+(``elements * (E + Ev)``) and ``threads`` the worker threads. Causal and windowed calls
+count only the keys each path actually visits; GQA counts K/V once per group (the
+stacked products). The constants were fitted on the machine of ``bench/RESULTS.md``
+(``python bench/calibrate_auto.py`` refits them); only their ratios matter for the
+choice, and ``docs/performance.md`` lists the crossover points they give.
+
+The model decides only among paths that accept the call; a registered path outside
+the model (the CuPy kernel) keeps its rank ahead of them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._backend import is_numpy
+from ._attention_spec import AttentionSpec
+
+__all__ = [
+    "PathCost",
+    "COSTS",
+    "features",
+    "estimate",
+    "choose",
+    "composed_block_bytes",
+    "MODELLED",
+]
+
+MODELLED = ("fast", "chunked", "composed")
+
+
+@dataclass(frozen=True)
+class PathCost:
+    """Fitted constants of one path on one kind of library (seconds)."""
+
+    call: float
+    step: float
+    mat: float
+    elem: float
+    mac: float
+    elem_threaded: bool  # do the elementwise passes use every thread?
+
+
+# From bench/calibrate_auto.py's fits and repeated interleaved timings on a 2-vCPU AMD
+# EPYC (NumPy 2.4 + OpenBLAS, PyTorch 2.13 CPU, float32), rounded: the machine is shared
+# and single fits moved by 2-5x under load, so these are typical values, not one run's.
+# NumPy's batched matmul calls (multi-threaded) OpenBLAS once per small product: ``mat``
+# is that call's cost, which the fast path avoids (one thread per tile, BLAS pinned to 1).
+# "array" is every non-NumPy array-API library (measured on PyTorch CPU tensors).
+COSTS: dict[tuple[str, str], PathCost] = {
+    ("fast", "numpy"): PathCost(
+        call=100e-6, step=40e-6, mat=0.0, elem=1.0e-9, mac=0.03e-9, elem_threaded=True
+    ),
+    ("composed", "numpy"): PathCost(
+        call=50e-6, step=50e-6, mat=4.0e-6, elem=8.0e-9, mac=0.03e-9, elem_threaded=False
+    ),
+    ("chunked", "numpy"): PathCost(
+        call=80e-6, step=100e-6, mat=4.0e-6, elem=9.0e-9, mac=0.03e-9, elem_threaded=False
+    ),
+    ("composed", "array"): PathCost(
+        call=0.8e-3, step=110e-6, mat=0.05e-6, elem=1.5e-9, mac=0.06e-9, elem_threaded=True
+    ),
+    ("chunked", "array"): PathCost(
+        call=0.8e-3, step=140e-6, mat=0.13e-6, elem=1.5e-9, mac=0.06e-9, elem_threaded=True
+    ),
+}
+
+
+def _threads() -> int:
+    from ._numpy_fast import num_threads
+
+    try:
+        return num_threads()
+    except ValueError:  # a bad ARRAYATTN_NUM_THREADS is reported by the fast path itself
+        return max(1, os.cpu_count() or 1)
+
+
+def _visited_per_head(spec: AttentionSpec) -> int:
+    """Score elements of one (batch, head) inside the causal/window band (all ``L x S``
+    without one); per-sequence lengths are data and not counted."""
+    L, S = spec.L, spec.S
+    st = spec.structure
+    if st.is_trivial or L == 0 or S == 0:
+        return L * S
+    i = np.arange(L, dtype=np.int64) + st.offset
+    lo = np.zeros(L, np.int64) if st.left < 0 else np.clip(i - st.left, 0, S)
+    hi = np.full(L, S, np.int64) if st.right < 0 else np.clip(i + st.right + 1, 0, S)
+    return int(np.maximum(hi - lo, 0).sum())
+
+
+def composed_block_bytes(spec: AttentionSpec) -> int:
+    """Bytes of the composed path's largest row-block score matrix (compute dtype)."""
+    from ._composed import row_blocks
+
+    itemsize = 8 if spec.cdtype == spec.xp.float64 else 4
+    rows_keys = max(((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in row_blocks(spec)), default=0)
+    return rows_keys * spec.batch_size * spec.Hq * itemsize
+
+
+def features(spec: AttentionSpec, name: str, threads: int) -> tuple[int, int, int, int]:
+    """``(steps, products, elements, multiply_adds)`` of path ``name`` for this call."""
+    heads = spec.batch_size * spec.Hq
+    groups = spec.batch_size * (spec.Hq // spec.G)  # stacked products per block
+    visited = _visited_per_head(spec) * heads
+    width = spec.E + spec.Ev
+    if name == "fast":
+        from ._fast_forward import tile_plan
+
+        n, hs, block = tile_plan(spec)
+        group = spec.Hq if spec.Hkv == 1 else spec.G
+        tiles = spec.batch_size * (spec.Hq // group) * -(-group // hs) * -(-spec.L // n)
+        keys_per_tile = max(1, visited // max(1, heads * spec.L)) * 1
+        steps = tiles * max(1, -(-keys_per_tile // block))
+        if tiles < threads:  # split-KV: one unit per thread
+            steps = max(steps, threads)
+        return steps, 0, visited, visited * width
+    if name == "composed":
+        from ._composed import row_blocks
+
+        blocks = row_blocks(spec)
+        elements = sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in blocks) * heads
+        return len(blocks), 2 * len(blocks) * groups, elements, elements * width
+    from .chunked import block_sizes
+
+    bq, bk = block_sizes(spec)
+    row_blocks = -(-max(1, spec.L) // bq)
+    keys = max(1, visited // max(1, heads * max(1, spec.L)))
+    steps = row_blocks * max(1, -(-keys // bk))
+    elements = (
+        visited
+        if spec.structure.is_trivial
+        else min(spec.L * spec.S * heads, visited + row_blocks * bq * bk * heads // 2)
+    )
+    return steps, 2 * steps * groups, elements, elements * width
+
+
+def estimate(spec: AttentionSpec, name: str, threads: int | None = None) -> float:
+    """Estimated seconds of path ``name`` (``"fast"``, ``"chunked"``, ``"composed"``)
+    for the forward of this call.
+
+    Examples:
+        >>> import numpy as np
+        >>> from arrayattn.ops._attention_spec import make_spec
+        >>> q = np.ones((256, 8, 1, 64), np.float32); kv = np.ones((256, 8, 128, 64), np.float32)
+        >>> spec = make_spec(q, kv, kv, None, 0.0, False, None, False, "top_left", None,
+        ...                  None, None)
+        >>> estimate(spec, "composed", 2) < estimate(spec, "fast", 2)
+        True
+    """
+    threads = _threads() if threads is None else threads
+    lib = "numpy" if is_numpy(spec.xp) else "array"
+    c = COSTS[(name, lib)]
+    steps, products, elements, macs = features(spec, name, threads)
+    elem_div = threads if c.elem_threaded else 1
+    return (
+        c.call
+        + c.step * steps
+        + c.mat * products
+        + c.elem * elements / elem_div
+        + c.mac * macs / threads
+    )
+
+
+def choose(spec: AttentionSpec, names: list[str], threads: int | None = None) -> str:
+    """The modelled path among ``names`` with the lowest estimate (ties: first given)."""
+    threads = _threads() if threads is None else threads
+    return min(names, key=lambda n: estimate(spec, n, threads))
