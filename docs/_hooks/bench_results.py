@@ -6,8 +6,10 @@ shows the current file without a copy to keep in sync:
 
 * the marker ``<!-- bench-results -->`` in ``performance.md`` is replaced by the latest
   run of each machine (a CPU run, ``### Run of DATE``, is keyed by its ``cpu`` and
-  ``cores`` lines; a GPU run, ``## DEVICE — DATE — commit ...``, by its device), headings
-  moved under the page's ``## Benchmark results``, and a link to the full record;
+  ``cores`` lines; a GPU run, ``## DEVICE — DATE — commit ...``, by its device), with an
+  earlier run of that machine kept while it has tables the later ones lack (a partial
+  repeat hides nothing), headings moved under the page's ``## Benchmark results``, and a
+  link to the full record;
 * the full record, the whole file, is the page ``performance-record.html`` (generated,
   kept out of the navigation);
 * links and images are resolved relative to ``bench/``: files that exist there (plots,
@@ -97,15 +99,34 @@ def _machine(section: list[str]) -> tuple[str, str] | None:
     return None
 
 
+def _tables(section: list[str]) -> frozenset[str]:
+    """The titles of a run's tables (its headings below the run's own), or the run's own
+    heading for a run without any (a GPU run's single table)."""
+    titles, in_fence = set(), False
+    for line in section[1:]:
+        if _FENCE.match(line):
+            in_fence = not in_fence
+        elif not in_fence and (m := _HEADING.match(line)):
+            titles.add(line[len(m.group(1)) :].strip())
+    return frozenset(titles) or frozenset({"(the run)"})
+
+
 def latest_runs(lines: list[str]) -> list[tuple[str, str, list[str]]]:
-    """(machine, date, section) of the last run of each machine, in file order (runs are
-    appended, so the last one of a machine is its latest)."""
-    latest: dict[str, tuple[str, str, list[str]]] = {}
-    for section in _sections(lines):
-        if (key := _machine(section)) is not None:
-            latest.pop(key[0], None)  # re-insert: file order of the latest runs
-            latest[key[0]] = (key[0], key[1], section)
-    return list(latest.values())
+    """(machine, date, section) of the latest run of each machine, in file order (runs
+    are appended, so later is newer). A run that measured only some tables (a repeat of
+    one section) does not hide the rest: an earlier run of the same machine is kept too
+    when it has a table no later kept run of that machine has, so each table shows once,
+    at its latest."""
+    runs = [(key, sec) for sec in _sections(lines) if (key := _machine(sec)) is not None]
+    covered: dict[str, set[str]] = {}
+    kept = []
+    for (machine, date), section in reversed(runs):
+        tables = _tables(section)
+        seen = covered.setdefault(machine, set())
+        if not tables <= seen:
+            kept.append((machine, date, section))
+            seen |= tables
+    return kept[::-1]
 
 
 def _render(lines: list[str], root: Path, published: set[str], top: int) -> str:
@@ -154,7 +175,8 @@ def _results_markdown(root: Path) -> tuple[str, set[str]]:
     published: set[str] = set()
     runs = latest_runs(lines)
     parts = [
-        f"The latest run of each machine in `{RESULTS}`, included when the site was built. "
+        f"The latest run of each machine in `{RESULTS}` (and, where that run repeated only "
+        f"some tables, the latest run with the others), included when the site was built. "
         f"Every run, with the single-thread floor and the analysis written by hand, is in "
         f"the [full record]({RECORD}).\n"
     ]

@@ -73,3 +73,28 @@ def test_page_links_the_full_record(tmp_path):
     assert "### AMD EPYC, 2 logical, 2 usable: run of 2026-01-04 00:00 UTC" in page
     record, _ = hook._record_markdown(tmp_path)
     assert "old CPU table" in record and "Analysis" in record
+
+
+def test_a_partial_repeat_hides_no_table():
+    text = """### Run of 2026-01-01 00:00 UTC
+
+- cpu: AMD EPYC
+
+#### prefill
+
+p1
+
+#### decode
+
+d1
+
+### Run of 2026-01-02 00:00 UTC
+
+- cpu: AMD EPYC
+
+#### decode
+
+d2
+"""
+    runs = _hook().latest_runs(text.splitlines())
+    assert [d for _, d, _ in runs] == ["2026-01-01 00:00 UTC", "2026-01-02 00:00 UTC"]
