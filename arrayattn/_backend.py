@@ -30,6 +30,7 @@ __all__ = [
     "library_name",
     "is_numpy",
     "is_cupy",
+    "is_dask",
     "is_lazy",
     "compute_dtype",
     "lse_dtype",
@@ -64,6 +65,11 @@ def is_numpy(xp: Namespace) -> bool:
 def is_cupy(xp: Namespace) -> bool:
     """True when ``xp`` is CuPy (plain or array-api-compat's wrapper)."""
     return bool(array_api_compat.is_cupy_namespace(xp))
+
+
+def is_dask(xp: Namespace) -> bool:
+    """True when ``xp`` is Dask's array namespace (array-api-compat's wrapper)."""
+    return bool(array_api_compat.is_dask_namespace(xp))
 
 
 def is_lazy(xp: Namespace) -> bool:

@@ -79,6 +79,8 @@ def declines(spec: AttentionSpec) -> str | None:
         return f"head dims must be positive, got E={spec.E}, Ev={spec.Ev}"
     if head_dim_bucket(spec.E, spec.Ev) is None:
         return f"head dims E={spec.E}, Ev={spec.Ev} exceed the kernels' maximum of 256"
+    if spec.dropout_p > 0 and (spec.batch_ids or spec.head0 or spec.row0 or spec.col0):
+        return "the kernels hash dropout at local positions; this is a block of a larger call"
     if spec.batch_size > _GRID_YZ_MAX or spec.Hq > _GRID_YZ_MAX:
         return (
             f"batch size {spec.batch_size} or head count {spec.Hq} exceeds the grid "

@@ -1,6 +1,7 @@
 """The ops: attention, softmax, heads, RoPE, norms (each with a backward rule)."""
 
 from . import (
+    _dask,  # noqa: F401  (registers implementation="dask" where Dask is installed)
     _numpy_fast,  # noqa: F401  (registers implementation="fast", NumPy)
     chunked,  # noqa: F401  (registers implementation="chunked")
 )

@@ -6,6 +6,7 @@ same spec, so the error messages and the meaning of every option are defined onc
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
@@ -84,6 +85,47 @@ class AttentionSpec:
     alibi_slopes: Array | None = None
     sinks_g: Array | None = None
     alibi_g: Array | None = None
+    # Private: this call is one block of a larger call split by a blocked or distributed
+    # path (``arrayattn.ops._dask``), made by :meth:`as_block`. Structure and lengths are
+    # in the block's own coordinates; dropout hashes global positions, so it adds these
+    # origins (``batch_ids``: the global flat batch index of each local one). With
+    # ``partial_keys`` the block sees only some keys of each row while the LSE is the
+    # whole row's, so no path may renormalise rows over the block's keys.
+    batch_ids: tuple[int, ...] | None = None
+    head0: int = 0
+    row0: int = 0
+    col0: int = 0
+    partial_keys: bool = False
+    offset_range: tuple[int, int] | None = None
+
+    def as_block(
+        self,
+        *,
+        batch_ids: tuple[int, ...] | None,
+        head0: int,
+        row0: int,
+        col0: int,
+        structure: Structure,
+        offset_g: Array | None = None,
+        offset_range: tuple[int, int] | None = None,
+        partial_keys: bool = False,
+    ) -> AttentionSpec:
+        """This spec as the block of a larger call whose first head, query row and key
+        are ``head0``, ``row0``, ``col0``: ``structure`` and ``offset_g`` are the block's
+        own (the call's bounds, its diagonal moved by ``row0 - col0``; not rebuilt from
+        the block's sizes, which would drop bounds beyond them), the origins feed the
+        dropout hash."""
+        return dataclasses.replace(
+            self,
+            structure=structure,
+            offset_g=offset_g,
+            offset_range=offset_range,
+            batch_ids=batch_ids,
+            head0=head0,
+            row0=row0,
+            col0=col0,
+            partial_keys=partial_keys,
+        )
 
     @property
     def has_lengths(self) -> bool:
@@ -108,6 +150,8 @@ class AttentionSpec:
         so blocked paths skip only key blocks no possible offset reaches), or ``None``."""
         if self.offset_g is None:
             return None
+        if self.offset_range is not None:
+            return self.offset_range
         kv_min = 0 if self.kv_lengths is not None else self.S
         q_min = 0 if self.q_lengths is not None else self.L
         return kv_min - self.L, self.S - q_min
@@ -165,12 +209,13 @@ class AttentionSpec:
     def index_arrays(self) -> tuple[Array, Array]:
         """int32 (batch, head) indices in the grouped layout, for dropout."""
         xp = self.xp
-        batch = xp.reshape(
-            xp.arange(self.batch_size, dtype=xp.int32, device=self.device),
-            self.lead + (1, 1, 1, 1),
-        )
+        if self.batch_ids is None:
+            batch = xp.arange(self.batch_size, dtype=xp.int32, device=self.device)
+        else:
+            batch = xp.asarray(self.batch_ids, dtype=xp.int32, device=self.device)
+        batch = xp.reshape(batch, self.lead + (1, 1, 1, 1))
         head = xp.reshape(
-            xp.arange(self.Hq, dtype=xp.int32, device=self.device),
+            xp.arange(self.head0, self.head0 + self.Hq, dtype=xp.int32, device=self.device),
             (self.Hq // self.G, self.G, 1, 1),
         )
         return batch, head

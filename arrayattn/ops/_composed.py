@@ -252,6 +252,8 @@ def poison_rows(spec: AttentionSpec, out: Array, touched: Array | None) -> Array
 def dropout_block(spec: AttentionSpec, rows: Array, cols: Array) -> Array:
     """The keep-mask for a block in the grouped layout ``(*lead, Hq/G, G, l, s)``."""
     batch, head = spec.index_arrays()
+    if spec.row0 or spec.col0:  # a block of a larger call: hash global positions
+        rows, cols = rows + spec.row0, cols + spec.col0
     return dropout_keep(spec.xp, spec.seed, spec.dropout_p, batch, head, rows, cols)
 
 
@@ -673,12 +675,14 @@ def backward(
         # A huge finite bias (Hugging Face's finfo.min masks) can absorb log(rowsum) into
         # the LSE (m + log S == m in floating point): exp(S - LSE) then sums to S, not 1.
         # A block holds all the keys its rows see, so renormalise (a no-op up to rounding
-        # for ordinary rows).
-        total = xp.sum(p, axis=-1, keepdims=True)
-        p_sink = sink_probability(spec, rows_of(lse_g, r0, r1))
-        if p_sink is not None:  # the sink's share belongs to the row's total too
-            total = total + p_sink
-        p = p / xp.where(total > 0, total, one)
+        # for ordinary rows); not in a block of a larger call (partial_keys), whose keys
+        # are only part of each row.
+        if not spec.partial_keys:
+            total = xp.sum(p, axis=-1, keepdims=True)
+            p_sink = sink_probability(spec, rows_of(lse_g, r0, r1))
+            if p_sink is not None:  # the sink's share belongs to the row's total too
+                total = total + p_sink
+            p = p / xp.where(total > 0, total, one)
         do_b, delta_b, dl_b = (rows_of(x, r0, r1) for x in (do_g, delta, dl))
         vc_b = vc if (c0, c1) == (0, spec.S) else vc[..., c0:c1, :]
         ds, dv_b = backward_block(spec, p, vc_b, do_b, delta_b, dl_b, rows, cols)

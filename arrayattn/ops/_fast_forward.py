@@ -300,14 +300,16 @@ def _rows(spec, lay, st, bi, hk, h0, h1, r0, r1, c_lo, c_hi, width, out_t, lse_t
             np.exp(s, out=s)
         np.add(l_sum, np.matmul(s, st.ones[:w], out=st.l_tmp[:R]), out=l_sum)
         if dropout:
+            # Global positions: a block of a larger call adds its origins (as_block).
+            b_id = bi if spec.batch_ids is None else spec.batch_ids[bi]
             keep = dropout_keep(
                 np,
                 spec.seed,
                 spec.dropout_p,
-                np.int32(bi),
-                np.arange(h0, h1, dtype=np.int32).reshape(-1, 1, 1),
-                np.arange(r0, r1, dtype=np.int32).reshape(-1, 1),
-                np.arange(c0, c1, dtype=np.int32),
+                np.int32(b_id),
+                np.arange(h0 + spec.head0, h1 + spec.head0, dtype=np.int32).reshape(-1, 1, 1),
+                np.arange(r0 + spec.row0, r1 + spec.row0, dtype=np.int32).reshape(-1, 1),
+                np.arange(c0 + spec.col0, c1 + spec.col0, dtype=np.int32),
             )
             np.multiply(s3, keep, out=s3)
         v_blk = lay.v_op[b + (hk, slice(c0, c1))]

@@ -44,6 +44,7 @@ No buffer of ``L x S`` elements is ever allocated: per worker the largest buffer
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -51,7 +52,7 @@ import math
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -62,7 +63,7 @@ from ._attention_spec import AttentionSpec
 from .dropout import dropout_keep
 from .masks import Structure, structural_allowed
 
-__all__ = ["forward", "backward", "declines", "num_threads", "BLOCK_ELEMENTS"]
+__all__ = ["forward", "backward", "declines", "num_threads", "one_thread", "BLOCK_ELEMENTS"]
 
 # Tunables (measured on a 2-core AMD EPYC with 1 MiB L2 per core; see bench/RESULTS.md).
 FWD_ROWS = 256
@@ -115,13 +116,40 @@ def declines(spec: AttentionSpec) -> str | None:
     return None
 
 
+_LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run fast-path calls made on this thread on this thread alone, BLAS included.
+
+    For callers that supply the parallelism themselves: a Dask task (Dask runs one task
+    per core, so a task's own pool would oversubscribe them).
+
+    Examples:
+        >>> with one_thread():
+        ...     num_threads()
+        1
+    """
+    previous = getattr(_LOCAL, "threads", None)
+    _LOCAL.threads = 1
+    try:
+        with _LINGERING_BLAS_LIMIT:
+            yield
+    finally:
+        _LOCAL.threads = previous
+
+
 def num_threads() -> int:
-    """Worker threads the fast path uses: ``ARRAYATTN_NUM_THREADS`` or the usable CPUs.
+    """Worker threads the fast path uses: 1 inside :func:`one_thread`, else
+    ``ARRAYATTN_NUM_THREADS`` or the usable CPUs.
 
     Examples:
         >>> num_threads() >= 1
         True
     """
+    if getattr(_LOCAL, "threads", None):
+        return _LOCAL.threads
     env = os.environ.get("ARRAYATTN_NUM_THREADS", "").strip()
     if env:
         try:
@@ -169,6 +197,7 @@ def _after_fork_in_child() -> None:
     _POOL_SIZE = 0
     _POOL_LOCK = threading.Lock()
     _BLAS_ONE_THREAD.reset_after_fork()
+    _LINGERING_BLAS_LIMIT.reset()
     _FORK_GATE.after_fork_in_child()
 
 
@@ -218,6 +247,50 @@ class _SingleThreadedBlas:
 
 
 _BLAS_ONE_THREAD = _SingleThreadedBlas()
+
+
+class _LingeringBlasLimit:
+    """``_BLAS_ONE_THREAD`` held across back-to-back :func:`one_thread` blocks (Dask
+    tasks), released :data:`LINGER_S` seconds after the last one ends. Handing OpenBLAS
+    its threads back between two tasks and taking them again made two concurrent tasks
+    30x slower than one after the other on a loaded 2-core machine (measured 2026-11-22;
+    with the limit held they run at the serial speed)."""
+
+    LINGER_S = 0.2
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._held = False
+        self._generation = 0
+
+    def __enter__(self) -> None:
+        with self._lock:
+            self._active += 1
+            self._generation += 1
+            if not self._held:
+                _BLAS_ONE_THREAD.__enter__()
+                self._held = True
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                timer = threading.Timer(self.LINGER_S, self._release, (self._generation,))
+                timer.daemon = True
+                timer.start()
+
+    def _release(self, generation: int) -> None:
+        with self._lock:
+            if self._held and self._active == 0 and self._generation == generation:
+                _BLAS_ONE_THREAD.__exit__(None, None, None)
+                self._held = False
+
+
+_LINGERING_BLAS_LIMIT = _LingeringBlasLimit()
 
 
 class _ForkGate:
@@ -635,6 +708,17 @@ def _scores(spec, lay, st, structure, b, h, hk, r0, r1, c0, c1, q_t, s):
         np.copyto(s, -np.inf, where=blocked)
 
 
+def _dropout_keep(spec, bi, h, r0, r1, c0, c1):
+    """Keep-mask of a tile at global positions (a block of a larger call adds its
+    origins, see ``AttentionSpec.as_block``)."""
+    b = bi if spec.batch_ids is None else spec.batch_ids[bi]
+    rows_i = np.arange(r0 + spec.row0, r1 + spec.row0, dtype=np.int32).reshape(-1, 1)
+    cols_i = np.arange(c0 + spec.col0, c1 + spec.col0, dtype=np.int32)
+    return dropout_keep(
+        np, spec.seed, spec.dropout_p, np.int32(b), np.int32(h + spec.head0), rows_i, cols_i
+    )
+
+
 def _scaled_query(spec, lay, b, h, r0, r1, out):
     """Queries of the rows times the scale (divided by the softcap when there is one,
     so that ``tanh`` reads the matmul's output directly)."""
@@ -819,6 +903,8 @@ def _row_totals(spec, lay, lse_f, finite):
     composed and chunked paths renormalise, and so does this one. Ordinary rows (error
     ``|LSE| * eps`` below ``_RENORMALISE_LSE_ERROR``) are left alone, so the extra pass
     over the keys runs only for such rows."""
+    if spec.partial_keys:  # a block's keys are not the whole row: nothing to renormalise
+        return None
     eps = float(np.finfo(lay.cd).eps)
     need = finite & (np.abs(lse_f) * eps > _RENORMALISE_LSE_ERROR)
     if not need.any():
@@ -982,11 +1068,7 @@ def _backward_block(spec, ctx, st, structure, bi, b, h, hk, r0, r1, c0, c1, dq, 
     inv_keep = 1.0
     if spec.dropout_p > 0:
         inv_keep = 1.0 / (1.0 - spec.dropout_p)
-        rows_i = np.arange(r0, r1, dtype=np.int32).reshape(-1, 1)
-        cols_i = np.arange(c0, c1, dtype=np.int32)
-        keep = dropout_keep(
-            np, spec.seed, spec.dropout_p, np.int32(bi), np.int32(h), rows_i, cols_i
-        )
+        keep = _dropout_keep(spec, bi, h, r0, r1, c0, c1)
 
     delta = ctx["delta"][row]
     tmat = st.dp[:n, :w]

@@ -345,7 +345,10 @@ def backward(
         lse_blk = lse_g[..., r0:r1, :]
         do_blk, delta_blk, dl_blk = (rows_of(x, r0, r1) for x in (do_g, delta, dl))
         dq_acc = None
-        row_total = _row_totals(spec, q_blk, kg, mask_g, lse_blk, r0, r1, bk)
+        # A block of a larger call (partial_keys) does not see whole rows: no totals.
+        row_total = (
+            None if spec.partial_keys else _row_totals(spec, q_blk, kg, mask_g, lse_blk, r0, r1, bk)
+        )
         for j, c0, c1, inside in _key_blocks(spec, r0, r1, bk):
             rows, cols = _composed.index_block(spec, r0, r1, c0, c1)
             k_blk = kg[..., c0:c1, :]

@@ -1,0 +1,280 @@
+"""Dask scale-out benchmark: attention on a ``dask.distributed`` cluster against one process.
+
+The same causal attention call (float32, inputs persisted on the cluster) runs as a Dask
+graph on the cluster (``implementation="auto"`` picks the Dask path) and as one NumPy
+call in this process (the NumPy fast path with this process's threads), interleaved and
+repeated. Chunks over batch, over heads and over the sequence; forward and
+forward+backward. Printed per case: graph build time, new tasks in the graph, median
+compute time (results left on the workers, as the inputs are; ``--gather`` also brings
+them to this process), the ratio to one process, and each
+worker's peak resident memory (high-water mark since the worker started).
+
+Usage::
+
+    python bench/dask_bench.py                       # LocalCluster, 2 processes x 1 thread
+    python bench/dask_bench.py --quick               # small shapes, a smoke run
+    python bench/dask_bench.py --long                # also causal L=32768, 1.5 GiB workers
+    python bench/dask_bench.py --workers 4 --threads-per-worker 2
+    python bench/dask_bench.py --scheduler-address tcp://10.0.0.1:8786   # a real cluster
+    python bench/dask_bench.py --append-results bench/RESULTS.md
+
+Workers need only arrayattn (and NumPy) installed. On a real cluster the one-process
+peer still runs in this (the client's) process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+try:
+    import arrayattn as aa
+except ImportError:  # running from a checkout without installing
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import arrayattn as aa
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    shape: tuple[int, int, int, int]  # (B, H, L, D)
+    chunks: tuple[int, int, int, int]
+
+
+def cases(length: int, heads: int, dim: int, chunk: int) -> list[Case]:
+    """Chunks over batch (B = heads, one head), heads, and the sequence (same work)."""
+    return [
+        Case("batch", (heads, 1, length, dim), (1, 1, length, dim)),
+        Case("heads", (1, heads, length, dim), (1, 1, length, dim)),
+        Case("sequence", (1, heads, length, dim), (1, heads, chunk, dim)),
+    ]
+
+
+def _peak_rss_mib(client) -> float:
+    """The largest worker's resident-memory high-water mark (MiB) since it started."""
+
+    def peak() -> float:  # nested, so it pickles by value (workers need not see bench/)
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+    return max(client.run(peak).values())
+
+
+def _graph_tasks(collections: list[Any]) -> int:
+    keys: set = set()
+    for c in collections:
+        keys.update(dict(c.__dask_graph__()))
+    return len(keys)
+
+
+def run_case(
+    client, case: Case, backward: bool, repeats: int, gather: bool = False, seed: int = 0
+) -> dict:
+    import dask.array as da
+    from distributed import wait
+
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal(case.shape, dtype=np.float32) for _ in range(3))
+    qd, kd, vd = (client.persist(da.from_array(x, chunks=case.chunks)) for x in (q, k, v))
+    wait([qd, kd, vd])
+    input_keys = {k for x in (qd, kd, vd) for k in dict(x.__dask_graph__())}
+    inputs = len(input_keys)
+
+    runs = itertools.count()
+
+    def build():
+        # Each run reads the persisted inputs through aliases of its own name, so its
+        # graph's keys are new: the graph is deterministic, and a run with the keys of
+        # the previous one could be handed that run's results (or have its tasks cancelled
+        # while those are released).
+        salt = next(runs)
+        q_, k_, v_ = (x.map_blocks(np.asarray, name=f"input-{salt}-{x.name}") for x in (qd, kd, vd))
+        if not backward:
+            return [aa.scaled_dot_product_attention(q_, k_, v_, is_causal=True)]
+        out, pullback = aa.vjp(aa.scaled_dot_product_attention, q_, k_, v_, is_causal=True)
+        return [out, *pullback(da.ones_like(out))]
+
+    def one_process():
+        if not backward:
+            return aa.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out, pullback = aa.vjp(aa.scaled_dot_product_attention, q, k, v, is_causal=True)
+        return out, pullback(np.ones_like(out))
+
+    t0 = time.perf_counter()
+    graph = build()
+    graph_s = time.perf_counter() - t0
+    tasks = _graph_tasks(graph) - 2 * inputs  # the persisted inputs and their aliases
+    # Warm-up of both (imports, worker pools), then interleaved timed runs.
+    one_process()
+
+    def on_cluster():
+        if gather:
+            client.compute(build(), sync=True)
+        else:
+            wait(client.persist(build()))  # released when the futures go
+
+    on_cluster()
+    single, cluster = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        one_process()
+        single.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        on_cluster()
+        cluster.append(time.perf_counter() - t0)
+    peak_mib = _peak_rss_mib(client)
+    return {
+        "case": case,
+        "backward": backward,
+        "graph_s": graph_s,
+        "tasks": tasks,
+        "single_s": statistics.median(single),
+        "cluster_s": statistics.median(cluster),
+        "ratios": [c / s for c, s in zip(cluster, single, strict=True)],
+        "peak_mib": peak_mib,
+    }
+
+
+def long_run(args) -> dict:
+    """Causal L=32768 (one head's dense scores: 4 GiB) on workers limited in memory."""
+    from distributed import Client, LocalCluster
+
+    length, chunk = args.long_length, args.long_chunk
+    case = Case("sequence (long)", (1, 1, length, args.dim), (1, 1, chunk, args.dim))
+    with (
+        LocalCluster(
+            n_workers=args.workers,
+            threads_per_worker=args.threads_per_worker,
+            processes=True,
+            memory_limit=args.long_memory_limit,
+            dashboard_address=None,
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        return run_case(client, case, backward=True, repeats=1, gather=args.gather)
+
+
+def table(rows: list[dict], workers: str) -> str:
+    lines = [
+        f"| chunks over | pass | shape (B,H,L,D) | chunks | graph | tasks | one process | "
+        f"cluster ({workers}) | ratio (median of pairs; all) | peak worker RSS |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        c = r["case"]
+        ratio = statistics.median(r["ratios"])  # of the interleaved pairs
+        all_ratios = ", ".join(f"{x:.2f}" for x in r["ratios"])
+        lines.append(
+            f"| {c.name} | {'fwd+bwd' if r['backward'] else 'fwd'} | {c.shape} | "
+            f"{c.chunks} | {r['graph_s'] * 1e3:.0f} ms | {r['tasks']} | "
+            f"{r['single_s']:.2f} s | {r['cluster_s']:.2f} s | {ratio:.2f} ({all_ratios}) | "
+            f"{r['peak_mib']:.0f} MiB |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, default=2, help="LocalCluster worker processes")
+    p.add_argument("--threads-per-worker", type=int, default=1)
+    p.add_argument("--scheduler-address", default=None, help="use this running cluster")
+    p.add_argument("--length", type=int, default=8192)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--chunk", type=int, default=2048, help="sequence chunk length")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
+    p.add_argument("--long", action="store_true", help="also the L=32768 memory run")
+    p.add_argument("--long-length", type=int, default=32768)
+    p.add_argument("--long-chunk", type=int, default=4096)
+    p.add_argument("--long-memory-limit", default="1.5GiB")
+    p.add_argument("--cases", default="batch,heads,sequence")
+    p.add_argument("--gather", action="store_true", help="time bringing results back too")
+    p.add_argument("--lean", action="store_true", help="workers without profiler/GIL monitor")
+    p.add_argument("--passes", default="fwd,fwdbwd")
+    p.add_argument("--append-results", default=None, help="append a section to this file")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.length, args.chunk, args.repeats = 512, 128, 1
+        args.long_length, args.long_chunk = 2048, 512
+
+    import dask
+    from distributed import Client, LocalCluster
+
+    if args.lean:
+        # Worker housekeeping that samples threads while tasks run (stack profiler every
+        # 10 ms, GIL contention monitor every 1 ms): off, for LocalClusters started here.
+        dask.config.set(
+            {
+                "distributed.worker.profile.enabled": False,
+                "distributed.admin.system-monitor.gil.enabled": False,
+            }
+        )
+    if args.scheduler_address:
+        client = Client(args.scheduler_address)
+        cluster = None
+    else:
+        cluster = LocalCluster(
+            n_workers=args.workers,
+            threads_per_worker=args.threads_per_worker,
+            processes=True,
+            dashboard_address=None,
+        )
+        client = Client(cluster)
+    info = client.scheduler_info()
+    nthreads = [w["nthreads"] for w in info["workers"].values()]
+    workers = f"{len(nthreads)} workers x {max(nthreads, default=0)} threads"
+    wanted = set(args.cases.split(","))
+    rows = []
+    try:
+        for case in cases(args.length, args.heads, args.dim, args.chunk):
+            if case.name not in wanted:
+                continue
+            for backward in (False, True):
+                if ("fwdbwd" if backward else "fwd") not in args.passes.split(","):
+                    continue
+                rows.append(run_case(client, case, backward, args.repeats, args.gather))
+                print(table(rows[-1:], workers).splitlines()[-1], flush=True)
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+    long_rows = []
+    if args.long and not args.scheduler_address:
+        long_rows.append(long_run(args))
+    text = table(rows, workers)
+    print(text)
+    if long_rows:
+        print(f"\nmemory limit per worker: {args.long_memory_limit}")
+        print(table(long_rows, workers))
+    if args.append_results:
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        section = [
+            f"\n### Dask scale-out run of {now} (`python bench/dask_bench.py`)\n",
+            f"Machine: {platform.machine()}, {platform.processor() or 'cpu'}, "
+            f"Python {platform.python_version()}; causal, float32.\n",
+            text,
+        ]
+        if long_rows:
+            section += [
+                f"\nWorkers limited to {args.long_memory_limit} each:\n",
+                table(long_rows, workers),
+            ]
+        with open(args.append_results, "a") as f:
+            f.write("\n".join(section) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

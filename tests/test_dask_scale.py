@@ -1,0 +1,374 @@
+"""The Dask implementation (``arrayattn.ops._dask``): block graphs over batch, heads and
+sequence equal the one-process NumPy call, stay lazy, have O(blocks) tasks, and run on a
+``dask.distributed`` cluster of worker processes."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import arrayattn as aa
+
+da = pytest.importorskip("dask.array")
+dask = pytest.importorskip("dask")
+
+
+def _no_compute(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("the Dask graph was computed while it was being built")
+
+
+rng = np.random.default_rng(13)
+B, HQ, HKV, L, S, E = 2, 4, 2, 23, 19, 8
+Q = rng.standard_normal((B, HQ, L, E))
+K = rng.standard_normal((B, HKV, S, E))
+V = rng.standard_normal((B, HKV, S, 6))
+D_OUT = rng.standard_normal((B, HQ, L, 6))
+D_LSE = rng.standard_normal((B, HQ, L))
+BOOL_MASK = rng.random((B, 1, L, S)) > 0.25
+FLOAT_MASK = rng.standard_normal((1, HQ, L, S))
+# Hugging Face style: finfo.min on excluded pairs, query row 3 excluded everywhere (its
+# huge LSE swallows log(rowsum); the backward renormalises such rows over the whole row).
+HF_MASK = np.where(BOOL_MASK, 0.0, np.finfo(np.float64).min)
+HF_MASK[:, :, 3, :] = np.finfo(np.float64).min
+Q_LEN = np.array([17, 23])
+KV_LEN = np.array([19, 4])
+
+# (query chunks, key chunks, value chunks): uneven last chunks, chunks of 1, misaligned.
+CHUNKINGS = {
+    "seq uneven": ((2, 4, 7, 8), (2, 2, 5, 8), (2, 2, 5, 6)),
+    "seq of 1": ((1, 4, 1, 8), (1, 2, 4, 8), (1, 2, 4, 6)),
+    "batch heads": ((1, 2, L, 8), (1, 1, S, 8), (1, 1, S, 6)),
+    "misaligned": ((1, 1, 9, 3), (2, 2, 6, 8), (1, 1, 4, 6)),
+}
+OPTIONS = {
+    "plain": {},
+    "causal": {"is_causal": True},
+    "causal bottom-right": {"is_causal": True, "causal_align": "bottom_right"},
+    "window skips blocks": {"window": (3, 1)},
+    # Bounds beyond a block's own L + S must stay bounds (they cut other blocks' rows).
+    "wide window": {"window": (12, 0)},
+    "bool mask": {"attn_mask": BOOL_MASK},
+    "float mask softcap": {"attn_mask": FLOAT_MASK, "softcap": 3.0},
+    "finfo.min mask": {"attn_mask": HF_MASK},
+    "dropout": {"dropout_p": 0.3, "seed": 11, "is_causal": True},
+    "lengths bottom-right": {
+        "q_lengths": Q_LEN,
+        "kv_lengths": KV_LEN,
+        "is_causal": True,
+        "causal_align": "bottom_right",
+    },
+    "lengths window dropout": {
+        "kv_lengths": KV_LEN,
+        "window": (4, 2),
+        "dropout_p": 0.2,
+        "seed": 5,
+    },
+}
+
+
+def _dask(a: np.ndarray | None, chunks: Any) -> Any:
+    return None if a is None else da.from_array(a, chunks=chunks)
+
+
+def _mask_chunks(m: np.ndarray, qc: tuple, kc: tuple) -> tuple:
+    return tuple(1 if n == 1 else c for n, c in zip(m.shape, qc[:3] + (kc[2],), strict=True))
+
+
+def _call(q, k, v, d_out, d_lse, options):
+    out, pullback = aa.vjp(
+        aa.scaled_dot_product_attention, q, k, v, enable_gqa=True, return_lse=True, **options
+    )
+    return out + tuple(g for g in pullback((d_out, d_lse)) if g is not None)
+
+
+def _lazy_options(options: dict, qc: tuple, kc: tuple) -> dict:
+    lazy = dict(options)
+    for name in ("attn_mask",):
+        if name in lazy:
+            lazy[name] = _dask(lazy[name], _mask_chunks(lazy[name], qc, kc))
+    for name in ("q_lengths", "kv_lengths"):
+        if name in lazy:
+            lazy[name] = _dask(lazy[name], (1,))
+    return lazy
+
+
+@pytest.mark.parametrize("chunking", sorted(CHUNKINGS))
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_dask_equals_numpy_forward_and_backward(chunking, option):
+    qc, kc, vc = CHUNKINGS[chunking]
+    options = OPTIONS[option]
+    want = _call(Q, K, V, D_OUT, D_LSE, options)
+    with dask.config.set(scheduler=_no_compute):
+        lazy = _call(
+            _dask(Q, qc),
+            _dask(K, kc),
+            _dask(V, vc),
+            _dask(D_OUT, qc[:3] + (6,)),
+            _dask(D_LSE, qc[:3]),
+            _lazy_options(options, qc, kc),
+        )
+    assert all(isinstance(x, da.Array) for x in lazy)
+    got = dask.compute(*lazy, scheduler="sync")
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_dask_picks_the_dask_path_and_names_it():
+    q = da.from_array(Q, chunks=(1, 2, 8, 8))
+    k, v = da.from_array(K, chunks=(1, 1, 8, 8)), da.from_array(V, chunks=(1, 1, 8, 6))
+    auto = aa.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True)
+    named = aa.scaled_dot_product_attention(
+        q, k, v, enable_gqa=True, is_causal=True, implementation="dask"
+    )
+    assert "dask" in aa.implementations()
+    assert auto.name == named.name  # the same graph, by the same deterministic token
+    assert any(k_[0].startswith("attn-blocks-") for k_ in dict(auto.__dask_graph__()))
+    with pytest.raises(ValueError, match="needs Dask arrays"):
+        aa.scaled_dot_product_attention(Q, K, V, enable_gqa=True, implementation="dask")
+
+
+def test_two_pullbacks_of_one_forward_do_not_share_graph_keys():
+    q, k, v = (da.from_array(x, chunks=(1, 2, 8, -1)) for x in (Q, K, V))
+    _, pullback = aa.vjp(aa.scaled_dot_product_attention, q, k, v, enable_gqa=True)
+    d1 = da.from_array(D_OUT, chunks=(1, 2, 8, 6))
+    g1, g2 = pullback(d1)[0], pullback(2 * d1)[0]
+    assert g1.name != g2.name
+    a, b = dask.compute(g1, g2, scheduler="sync")
+    np.testing.assert_allclose(b, 2 * a, rtol=1e-12, atol=1e-12)
+
+
+def test_float32_equals_numpy_within_rounding():
+    q32, k32, v32 = (x.astype(np.float32) for x in (Q, K, V))
+    want = aa.scaled_dot_product_attention(q32, k32, v32, enable_gqa=True, is_causal=True)
+    got = aa.scaled_dot_product_attention(
+        da.from_array(q32, chunks=(1, 2, 5, 8)),
+        da.from_array(k32, chunks=(1, 1, 6, 8)),
+        da.from_array(v32, chunks=(1, 1, 6, 6)),
+        enable_gqa=True,
+        is_causal=True,
+    ).compute(scheduler="sync")
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
+
+
+def test_broadcast_keys_three_dim_and_mqa():
+    # Keys shared by the batch (gradients summed over batch chunks), one KV head (MQA).
+    q = rng.standard_normal((3, 4, 10, 8))
+    k = rng.standard_normal((1, 10, 8))
+    v = rng.standard_normal((1, 10, 8))
+    d = rng.standard_normal((3, 4, 10, 8))
+    want = _call(q, k, v, d, None, {"is_causal": True})
+    got = dask.compute(
+        *_call(
+            da.from_array(q, chunks=(1, 2, 4, 8)),
+            da.from_array(k, chunks=(1, 3, 8)),
+            da.from_array(v, chunks=(1, 5, 8)),
+            da.from_array(d, chunks=(1, 2, 4, 8)),
+            None,
+            {"is_causal": True},
+        ),
+        scheduler="sync",
+    )
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_backward_matches_finite_differences():
+    q, k, v = (x[:1, :2, :7] for x in (Q, K[:, :1], V[:, :1]))
+    d = rng.standard_normal((1, 2, 7, 6))
+    chunks = (1, 1, 3, 8)
+
+    def f(q_):
+        out = aa.scaled_dot_product_attention(
+            da.from_array(q_, chunks=chunks),
+            da.from_array(k, chunks=chunks),
+            da.from_array(v, chunks=(1, 1, 3, 6)),
+            is_causal=True,
+        )
+        return float((out.compute(scheduler="sync") * d).sum())
+
+    _, pullback = aa.vjp(
+        aa.scaled_dot_product_attention,
+        da.from_array(q, chunks=chunks),
+        da.from_array(k, chunks=chunks),
+        da.from_array(v, chunks=(1, 1, 3, 6)),
+        is_causal=True,
+    )
+    dq = np.asarray(pullback(da.from_array(d))[0].compute(scheduler="sync"))
+    h = 1e-6
+    for idx in [(0, 0, 0, 0), (0, 1, 4, 3), (0, 0, 6, 7)]:
+        e = np.zeros_like(q)
+        e[idx] = h
+        fd = (f(q + e) - f(q - e)) / (2 * h)
+        assert abs(fd - dq[idx]) < 1e-6 * max(1.0, abs(fd))
+
+
+def _tasks(*arrays: Any) -> int:
+    graph = {}
+    for a in arrays:
+        graph.update(dict(a.__dask_graph__()))
+    return len(graph)
+
+
+def test_task_count_is_per_block_not_per_element():
+    # L = S = 8192 in 2048-long chunks, causal, 4 heads: 4 query x 4 key blocks, 10 of them
+    # under the causal band; the graph must stay O(blocks), built in far below a second.
+    n, chunk = 8192, 2048
+    x = da.zeros((1, 4, n, 64), chunks=(1, 4, chunk, 64), dtype=np.float32)
+    with dask.config.set(scheduler=_no_compute):
+        t0 = time.perf_counter()
+        out, pullback = aa.vjp(aa.scaled_dot_product_attention, x, x, x, is_causal=True)
+        grads = pullback(da.ones_like(out))
+        elapsed = time.perf_counter() - t0
+    inputs = _tasks(x) + _tasks(da.ones_like(out))
+    blocks = [
+        k
+        for k in dict(out.__dask_graph__())
+        if k[0].startswith("attn-blocks-") and "-merge-" not in k[0]
+    ]
+    assert len(blocks) == 10  # causal: 4 + 3 + 2 + 1 block pairs, the 6 above never built
+    assert _tasks(out) - inputs <= 30
+    assert _tasks(*grads) - inputs <= 80
+    assert elapsed < 5.0  # milliseconds normally; generous for a loaded CI machine
+    # Heads in 4 chunks, sequence unchunked: one task per head chunk, nothing to merge.
+    y = da.zeros((1, 4, n, 64), chunks=(1, 1, n, 64), dtype=np.float32)
+    out = aa.scaled_dot_product_attention(y, y, y, is_causal=True)
+    assert _tasks(out) - _tasks(y) <= 3 * 4
+
+
+def test_gqa_head_chunks_keep_groups_together():
+    q = da.from_array(Q, chunks=(2, 1, L, 8))  # one query head per chunk, groups of 2
+    k = da.from_array(K, chunks=(2, 1, S, 8))
+    out = aa.scaled_dot_product_attention(q, k, da.from_array(V), enable_gqa=True)
+    assert out.chunks[1] == (2, 2)
+    want = aa.scaled_dot_product_attention(Q, K, V, enable_gqa=True)
+    np.testing.assert_allclose(out.compute(scheduler="sync"), want, rtol=1e-12, atol=1e-12)
+
+
+def test_varlen_and_multi_head_attention_reuse_the_dask_path():
+    from arrayattn.nn import MultiHeadAttention
+
+    x = rng.standard_normal((2, 12, 16))
+    mha = MultiHeadAttention(embed_dim=16, num_heads=4, num_kv_heads=2, causal=True)
+    params = mha.init(seed=0, xp=np, dtype=np.float64)
+    want = mha(params, x)
+    xd = da.from_array(x, chunks=(1, 6, 16))
+    with dask.config.set(scheduler=_no_compute):
+        lazy = mha({k: da.from_array(v) for k, v in params.items()}, xd)
+    assert any(str(k[0]).startswith("attn-blocks-") for k in dict(lazy.__dask_graph__()))
+    np.testing.assert_allclose(lazy.compute(scheduler="sync"), want, rtol=1e-12, atol=1e-12)
+
+    cu = np.array([0, 5, 12, 20])
+    qv, kv = rng.standard_normal((2, 20, 8)), rng.standard_normal((2, 20, 8))
+    want = aa.varlen_attention(qv, kv, kv, cu, cu, max_seqlen_q=8, max_seqlen_k=8, is_causal=True)
+    got = aa.varlen_attention(
+        da.from_array(qv, chunks=(1, 10, 8)),
+        da.from_array(kv, chunks=(1, 10, 8)),
+        da.from_array(kv, chunks=(1, 10, 8)),
+        da.from_array(cu),
+        da.from_array(cu),
+        max_seqlen_q=8,
+        max_seqlen_k=8,
+        is_causal=True,
+    )
+    np.testing.assert_allclose(got.compute(scheduler="sync"), want, rtol=1e-12, atol=1e-12)
+
+
+def test_runs_on_a_local_cluster_of_worker_processes():
+    distributed = pytest.importorskip("distributed")
+    q32, k32, v32 = (x.astype(np.float32) for x in (Q, K, V))
+    want, pullback = aa.vjp(
+        aa.scaled_dot_product_attention, q32, k32, v32, enable_gqa=True, is_causal=True
+    )
+    dq_want = pullback(np.ones_like(want))[0]
+    with (
+        distributed.LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=None,
+            worker_dashboard_address=None,
+        ) as cluster,
+        distributed.Client(cluster) as client,
+    ):
+        q = da.from_array(q32, chunks=(1, 2, 8, 8))
+        k = da.from_array(k32, chunks=(1, 1, 8, 8))
+        v = da.from_array(v32, chunks=(1, 1, 8, 6))
+        out, pb = aa.vjp(aa.scaled_dot_product_attention, q, k, v, enable_gqa=True, is_causal=True)
+        got, dq = client.compute([out, pb(da.ones_like(out))[0]], sync=True)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(dq, dq_want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_dask_bench_quick_run(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("distributed")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "dask_bench.py"
+    spec = importlib.util.spec_from_file_location("dask_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "dask_bench", bench)  # dataclasses look it up
+    spec.loader.exec_module(bench)
+    results = tmp_path / "RESULTS.md"
+    argv = ["--quick", "--cases", "heads", "--passes", "fwd", "--append-results", str(results)]
+    assert bench.main(argv) == 0
+    assert "| heads | fwd |" in capsys.readouterr().out
+    assert "Dask scale-out run" in results.read_text()
+
+
+_HAS_SINKS = "sinks" in __import__("inspect").signature(aa.scaled_dot_product_attention).parameters
+
+
+@pytest.mark.skipif(not _HAS_SINKS, reason="sinks=/alibi_slopes= not in this version")
+@pytest.mark.parametrize("chunking", ["seq uneven", "batch heads"])
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"sinks": rng.standard_normal(HQ)},
+        {"alibi_slopes": 2.0 ** -np.arange(1, HQ + 1), "is_causal": True},
+        {
+            "alibi_slopes": rng.random((B, HQ)),
+            "sinks": rng.standard_normal(HQ),
+            "is_causal": True,
+            "causal_align": "bottom_right",
+            "q_lengths": Q_LEN,
+            "kv_lengths": KV_LEN,
+        },
+    ],
+    ids=["sinks", "alibi causal", "alibi per batch + sinks + lengths"],
+)
+def test_sinks_and_alibi_equal_numpy(chunking, option):
+    qc, kc, vc = CHUNKINGS[chunking]
+
+    def run(q, k, v, d, dl, options):
+        out, pullback = aa.vjp(
+            aa.scaled_dot_product_attention, q, k, v, enable_gqa=True, return_lse=True, **options
+        )
+        grads = pullback((d, dl))
+        extra = [grads[-1]["sinks"]] if isinstance(grads[-1], dict) else []
+        return [*out, *grads[:3], *extra]
+
+    want = run(Q, K, V, D_OUT, D_LSE, option)
+    lazy_options = {
+        name: da.from_array(x) if isinstance(x, np.ndarray) else x for name, x in option.items()
+    }
+    with dask.config.set(scheduler=_no_compute):
+        lazy = run(
+            _dask(Q, qc),
+            _dask(K, kc),
+            _dask(V, vc),
+            _dask(D_OUT, qc[:3] + (6,)),
+            _dask(D_LSE, qc[:3]),
+            lazy_options,
+        )
+    got = dask.compute(*lazy, scheduler="sync")
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
