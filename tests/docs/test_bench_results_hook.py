@@ -98,3 +98,20 @@ d2
 """
     runs = _hook().latest_runs(text.splitlines())
     assert [d for _, d, _ in runs] == ["2026-01-01 00:00 UTC", "2026-01-02 00:00 UTC"]
+
+
+def test_no_merge_conflict_markers_in_published_text():
+    import re
+
+    marker = re.compile(r"^(<{7} |>{7} |={7}$)", re.MULTILINE)
+    files = [
+        ROOT / "bench" / "RESULTS.md",
+        ROOT / "README.md",
+        *sorted((ROOT / "docs").rglob("*.md")),
+    ]
+    left = [
+        str(f.relative_to(ROOT))
+        for f in files
+        if f.is_file() and marker.search(f.read_text("utf-8"))
+    ]
+    assert not left, f"merge conflict markers left in {left}"
