@@ -33,8 +33,7 @@ def register_vjp(op: Callable[..., Any]) -> Callable[[Rule], Rule]:
 def differentiable_ops() -> tuple[Callable[..., Any], ...]:
     """The public ops that :func:`vjp` can differentiate.
 
-    Example::
-
+    Examples:
         >>> import arrayattn as aa
         >>> aa.scaled_dot_product_attention in aa.differentiable_ops()
         True
@@ -57,8 +56,7 @@ def vjp(fn: Callable[..., Any], *arrays: Any, **options: Any) -> tuple[Any, Pull
     name to its cotangent, e.g. ``dq, dk, dv, kw = pullback(g)`` and ``kw["sinks"]``.
     It is present only when such a keyword array was passed.
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> q = k = v = np.ones((1, 2, 4, 8), dtype=np.float32)

@@ -19,10 +19,11 @@ whose load changes affects them alike:
 ``--long`` adds FlashAttention's long-sequence case (L = 32768, H = 4, D = 64, causal,
 ``implementation="auto"``) and reports its peak memory growth beyond the inputs.
 
-Example::
-
+Examples:
+    ```bash
     python -m arrayattn.bench --quick
     python -m arrayattn.bench --repeats 5 --append-results --plot bench.png
+    ```
 """
 
 from __future__ import annotations

@@ -72,9 +72,13 @@ class MiniLM:
         return float(self.config["layer_norm_eps"])
 
 
-def load_model(xp: Any = None, device: Any = None, dtype: Any = None) -> MiniLM:
+def load_model(
+    xp: Any = None, device: Any = None, dtype: Any = None, implementation: str = "auto"
+) -> MiniLM:
     """Read ``model.safetensors`` and ``config.json`` and move the weights to ``xp``
-    (default NumPy) and ``device``, cast to ``dtype`` (default float32)."""
+    (default NumPy) and ``device``, cast to ``dtype`` (default float32). ``implementation``
+    is the attention path (``"chunked"`` on CuPy: ``"auto"`` would run the fused kernels,
+    not yet run on a GPU)."""
     from safetensors.numpy import load_file
 
     ns = resolve_namespace(xp)
@@ -88,7 +92,10 @@ def load_model(xp: Any = None, device: Any = None, dtype: Any = None) -> MiniLM:
         if v.dtype.kind == "f"  # skips the int64 position_ids buffer
     }
     attention = MultiHeadAttention(
-        embed_dim=config["hidden_size"], num_heads=config["num_attention_heads"], bias=True
+        embed_dim=config["hidden_size"],
+        num_heads=config["num_attention_heads"],
+        bias=True,
+        implementation=implementation,
     )
     layers = []
     for i in range(config["num_hidden_layers"]):
@@ -202,10 +209,15 @@ def _namespace(name: str) -> Any:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--xp", default="numpy", help="numpy, cupy, torch, array_api_strict")
+    parser.add_argument(
+        "--implementation",
+        default="auto",
+        help='attention path: auto (default), composed, chunked, ... ("chunked" on CuPy)',
+    )
     parser.add_argument("sentences", nargs="*", help="sentences to embed (default: a demo set)")
     args = parser.parse_args(argv)
     lib, device = _namespace(args.xp)
-    model = load_model(xp=lib, device=device)
+    model = load_model(xp=lib, device=device, implementation=args.implementation)
     sentences = args.sentences or SENTENCES
     emb = encode(model, load_tokenizer(), sentences)
     xp = model.xp

@@ -54,6 +54,9 @@ class GPTConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tied: bool = True
+    # The attention path (see arrayattn.implementations()); on CuPy "chunked" is the
+    # array-API path, where "auto" would run fused kernels not yet run on a GPU.
+    implementation: str = "auto"
 
     @property
     def attention(self) -> MultiHeadAttention:
@@ -65,6 +68,7 @@ class GPTConfig:
             rope="half",
             rope_theta=self.rope_theta,
             causal=True,
+            implementation=self.implementation,
         )
 
 
@@ -391,13 +395,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--xp", default="numpy", help="numpy (default), cupy, torch, ...")
     parser.add_argument("--untied", action="store_true", help="separate lm_head weight")
     parser.add_argument("--new-tokens", type=int, default=200, help="tokens to generate")
+    parser.add_argument(
+        "--implementation",
+        default="auto",
+        help='attention path: auto (default), composed, chunked, ... ("chunked" on CuPy)',
+    )
     args = parser.parse_args(argv)
 
     lib, device = _library(args.xp)
     text = DATA.read_text()
     tok = CharTokenizer(text)
     data = tok.encode(text)
-    cfg = GPTConfig(vocab_size=len(tok.chars), tied=not args.untied)
+    cfg = GPTConfig(
+        vocab_size=len(tok.chars), tied=not args.untied, implementation=args.implementation
+    )
     params = init_params(cfg, seed=args.seed, xp=lib, device=device)
     n_params = sum(math.prod(int(d) for d in v.shape) for v in params.values())
     print(

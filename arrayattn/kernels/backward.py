@@ -92,8 +92,7 @@ def set_deterministic(flag: bool) -> None:
     """Make the fused backward bit-reproducible (``True``) or use dQ atomics (``False``,
     the default; faster). Applies to the current context (thread / task).
 
-    Example::
-
+    Examples:
         >>> from arrayattn.kernels import backward
         >>> backward.set_deterministic(True); backward.is_deterministic()
         True
@@ -113,8 +112,7 @@ def is_deterministic() -> bool:
 def deterministic(flag: bool = True) -> Iterator[None]:
     """Context manager: the fused backward inside the block runs deterministic (or not).
 
-    Example::
-
+    Examples:
         >>> from arrayattn.kernels import backward
         >>> with backward.deterministic():
         ...     backward.is_deterministic()
@@ -172,8 +170,7 @@ def backward_plan(kind: str, e: int, ev: int) -> BackwardPlan | None:
     """The backward kernels for dtype ``kind`` and head dims ``e`` (query/key) and ``ev``
     (value), or ``None`` when no variant holds them (both above 256).
 
-    Example::
-
+    Examples:
         >>> p = backward_plan("float16", 128, 128)
         >>> p.dkdv, p.dkdv_block_n, p.dq
         ('aa_bwd_dkdv_mma<AaF16, 128, 8, 16>', 128, 'aa_bwd_dq_mma<AaF16, 128, 4, 32>')

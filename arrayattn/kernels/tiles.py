@@ -74,8 +74,7 @@ def tile_config(kind: str, d: int, mt: int | None = None) -> TileConfig:
     kernel; default :func:`tc_row_tiles`); the same numbers as the ``*Cfg`` structs in
     ``attn_fwd.cu``.
 
-    Example::
-
+    Examples:
         >>> tile_config("float16", 128, mt=2)
         TileConfig(block_m=128, block_n=32, threads=128, smem_bytes=69632)
     """
@@ -165,8 +164,7 @@ def forward_kernel_name(
     kernel for dtype ``kind``, head dim ``d``, and the feature flags; ``mask_kind`` is 0
     (none), 1 (bool) or 2 (float bias); ``mt`` as in :func:`tile_config`.
 
-    Example::
-
+    Examples:
         >>> forward_kernel_name("float16", 128, False, False, 0, mt=2)
         'aa_fwd_tc<0, 128, 2, false, false, 0>'
     """

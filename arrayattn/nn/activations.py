@@ -84,7 +84,6 @@ def erf(x: Array) -> Array:
     in float32 (computed in float32 for float16) and 1e-13 in float64.
 
     Examples:
-
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> np.round(aa.nn.erf(np.array([0.0, 0.5, 3.0])), 6)
@@ -131,7 +130,6 @@ def gelu(x: Array, approximate: str = "none") -> Array:
     Shapes: any ``x``; result has ``x``'s shape and dtype (computed in float32 or float64).
 
     Examples:
-
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> np.round(aa.nn.gelu(np.array([-1.0, 0.0, 1.0])), 4)
@@ -169,7 +167,6 @@ def silu(x: Array) -> Array:
     Shapes: any ``x``; result has ``x``'s shape and dtype (computed in float32 or float64).
 
     Examples:
-
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> np.round(aa.nn.silu(np.array([-1.0, 0.0, 1.0])), 4)

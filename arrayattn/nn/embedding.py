@@ -42,7 +42,6 @@ def embedding(ids: Array, weight: Array) -> Array:
     ``(..., dim)`` in ``weight``'s dtype. Ids must lie in ``[0, num_embeddings)``.
 
     Examples:
-
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> aa.nn.embedding(np.array([[2, 0]]), np.eye(3)).tolist()

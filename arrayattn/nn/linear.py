@@ -59,7 +59,6 @@ def linear(x: Array, weight: Array, bias: Array | None = None) -> Array:
     ``None`` -> ``(..., out_features)`` in ``x``'s dtype (float16 computes in float32).
 
     Examples:
-
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> w = np.arange(6.0).reshape(3, 2)          # out=3, in=2

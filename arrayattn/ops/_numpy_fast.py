@@ -98,8 +98,7 @@ def declines(spec: AttentionSpec) -> str | None:
     ``"auto"`` moves on to the chunked/composed paths, and ``implementation="fast"``
     raises a ``ValueError`` with the reason).
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> from arrayattn.ops._attention_spec import make_spec
         >>> q = np.ones((1, 2, 8, 4), dtype=np.float32)
@@ -145,8 +144,7 @@ def num_threads() -> int:
     """Worker threads the fast path uses: 1 inside :func:`one_thread`, else
     ``ARRAYATTN_NUM_THREADS`` or the usable CPUs.
 
-    Example::
-
+    Examples:
         >>> num_threads() >= 1
         True
     """
@@ -766,8 +764,7 @@ def backward(
     :func:`arrayattn.ops._composed.backward`: FlashAttention-2 from the saved LSE, block
     by block (``d_mask`` only for a float mask). Users reach it through ``arrayattn.vjp``.
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> q = np.ones((1, 2, 8, 4), dtype=np.float32)

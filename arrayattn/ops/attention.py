@@ -91,8 +91,7 @@ def implementations() -> tuple[str, ...]:
     """Names accepted by ``implementation=``: ``"auto"`` and every registered path
     (``"fused"`` is among them when CuPy is installed).
 
-    Example::
-
+    Examples:
         >>> import arrayattn as aa
         >>> {"auto", "composed", "chunked"} <= set(aa.implementations())
         True
@@ -232,8 +231,7 @@ def scaled_dot_product_attention(
 
     Rows with no key left return 0 (and LSE ``-inf``, or the sink), never NaN.
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> rng = np.random.default_rng(0)
@@ -387,8 +385,7 @@ def attention_weights(
     ``1 - exp(sink_h - LSE_i)`` (the sink's column is left out, as gpt-oss does), and
     ``vjp`` returns the sinks' gradient in a trailing dict.
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> q = np.ones((1, 1, 3, 4)); k = np.ones((1, 1, 5, 4))
@@ -539,8 +536,7 @@ def dropout_mask(
     """The boolean keep-mask ``(..., Hq, L, S)`` that attention with these shapes,
     ``dropout_p`` and ``seed`` applies (``True`` = kept). Identical on every backend.
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> q = np.zeros((1, 2, 4, 8), dtype=np.float32)

@@ -194,8 +194,7 @@ def forward(
     Same contract as ``_composed.forward``; ``block_q``/``block_k`` default to
     :data:`BLOCK_Q`/:data:`BLOCK_K` and need not divide ``L``/``S``.
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> from arrayattn.ops._attention_spec import make_spec
         >>> q = np.ones((1, 2, 5, 4), dtype=np.float32)
@@ -313,8 +312,7 @@ def backward(
     d_mask)`` in the user's shapes and dtypes, ``d_mask`` ``None`` unless the mask is a
     float bias.
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> from arrayattn.ops._attention_spec import make_spec
         >>> q = np.ones((1, 2, 5, 4), dtype=np.float32)

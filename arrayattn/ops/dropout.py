@@ -99,8 +99,7 @@ def dropout_keep(
 ) -> Array:
     """Boolean keep-mask for dropout probability ``p`` at the given indices.
 
-    Example::
-
+    Examples:
         >>> import numpy as np, array_api_compat
         >>> xp = array_api_compat.array_namespace(np.empty(0))
         >>> i = xp.reshape(xp.arange(4, dtype=xp.int32), (4, 1))

@@ -21,8 +21,7 @@ def _positive_int(name: str, value: object) -> int:
 def split_heads(x: Array, num_heads: int) -> Array:
     """``(..., L, H*D) -> (..., H, L, D)``: view the feature axis as ``num_heads`` heads.
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> aa.split_heads(np.zeros((2, 5, 12)), 3).shape
@@ -46,8 +45,7 @@ def split_heads(x: Array, num_heads: int) -> Array:
 def merge_heads(x: Array) -> Array:
     """``(..., H, L, D) -> (..., L, H*D)``: the inverse of :func:`split_heads`.
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> aa.merge_heads(np.zeros((2, 3, 5, 4))).shape
@@ -71,8 +69,7 @@ def repeat_kv(x: Array, n_rep: int) -> Array:
     Attention itself never needs this (``enable_gqa=True`` broadcasts instead); it is
     here for code that wants explicit heads.
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> aa.repeat_kv(np.zeros((1, 2, 7, 4)), 3).shape

@@ -96,8 +96,7 @@ def merge_attention_states(outs: Sequence[Array], lses: Sequence[Array]) -> tupl
         float64). Rows empty in every part give ``0`` and ``-inf``. The weights are
         computed in float32/float64 whatever the outs' dtype.
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> rng = np.random.default_rng(0)

@@ -84,8 +84,7 @@ def rms_norm(
     (``cast_before_weight=True``); ``False`` multiplies in float32 and casts last (T5,
     Gemma). The result dtype is the promotion of ``x`` and ``weight``.
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> y = aa.rms_norm(np.array([[3.0, 4.0]]), np.ones(2))
@@ -137,8 +136,7 @@ def layer_norm(x: Array, weight: Array | None, bias: Array | None, eps: float = 
     Shapes: ``x`` ``(..., D)``, ``weight``/``bias`` ``(D,)`` or ``None`` -> ``x``'s shape
     and dtype (statistics and affine in float32, or float64).
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> aa.layer_norm(np.array([[1.0, 3.0]]), np.ones(2), np.zeros(2), eps=0.0)

@@ -49,8 +49,7 @@ def softmax(x: Array, axis: int = -1) -> Array:
 
     Shapes: any ``x``; the result has ``x``'s shape.
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> aa.softmax(np.array([0.0, np.log(3.0)]))

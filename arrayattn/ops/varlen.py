@@ -237,8 +237,7 @@ def varlen_attention(
     an oversized bound costs no memory. Values smaller than a real length truncate that
     sequence silently.
 
-    Example::
-
+    Examples:
         >>> import numpy as np
         >>> import arrayattn as aa
         >>> rng = np.random.default_rng(0)
