@@ -170,7 +170,9 @@ def _namespace(x: Array) -> Any:
 # ---------------------------------------------------------------------------------------
 # Task functions (run on the workers; module-level so that they pickle)
 # ---------------------------------------------------------------------------------------
-_HEAP_TUNED = False
+_HEAP_TUNED: bool | None = None
+"""Whether this process's allocator was tuned by :func:`_keep_freed_memory` (``None``:
+no task ran here yet)."""
 TRIM_THRESHOLD_BYTES = 256 << 20
 """Free heap a worker keeps for the next task (glibc ``M_TRIM_THRESHOLD``)."""
 MMAP_THRESHOLD_BYTES = 32 << 20
@@ -178,7 +180,8 @@ MMAP_THRESHOLD_BYTES = 32 << 20
 
 
 def _keep_freed_memory() -> None:
-    """Let this worker process reuse freed memory across tasks (glibc only, once).
+    """Let this ``dask.distributed`` worker process reuse freed memory across tasks
+    (glibc only, once; nothing in other processes).
 
     Dask's nanny starts workers with ``MALLOC_TRIM_THRESHOLD_=65536``, which also fixes
     glibc's mmap threshold at 128 KiB: every array a task allocates is fresh, zero-filled
@@ -187,23 +190,36 @@ def _keep_freed_memory() -> None:
     :data:`TRIM_THRESHOLD_BYTES` of free heap is kept. ``ARRAYATTN_DASK_KEEP_MEMORY=0``
     leaves the allocator alone."""
     global _HEAP_TUNED
-    if _HEAP_TUNED:
+    if _HEAP_TUNED is not None:
         return
-    _HEAP_TUNED = True
+    _HEAP_TUNED = False
     import os
 
     if os.environ.get("ARRAYATTN_DASK_KEEP_MEMORY", "1").strip() == "0":
         return
-    if not sys.platform.startswith("linux"):
-        return
+    if not sys.platform.startswith("linux") or not _in_distributed_worker():
+        return  # a user's own process (Dask's local schedulers) keeps its allocator
     try:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-1, TRIM_THRESHOLD_BYTES)  # M_TRIM_THRESHOLD
-        libc.mallopt(-3, MMAP_THRESHOLD_BYTES)  # M_MMAP_THRESHOLD
+        # mallopt returns 1 on success (M_TRIM_THRESHOLD = -1, M_MMAP_THRESHOLD = -3).
+        ok = libc.mallopt(-1, TRIM_THRESHOLD_BYTES) == 1
+        ok = libc.mallopt(-3, MMAP_THRESHOLD_BYTES) == 1 and ok
     except (OSError, AttributeError):  # not glibc (musl, ...): nothing to tune
-        pass
+        return
+    _HEAP_TUNED = ok
+
+
+def _in_distributed_worker() -> bool:
+    distributed = sys.modules.get("distributed")  # a worker process has it imported
+    if distributed is None:
+        return False
+    try:
+        distributed.get_worker()
+    except (ValueError, AttributeError):  # not inside a worker's task
+        return False
+    return True
 
 
 def _forward_block(blk: _Block, q, k, v, mask, q_len, kv_len, alibi=None):
