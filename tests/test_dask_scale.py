@@ -302,8 +302,22 @@ def test_runs_on_a_local_cluster_of_worker_processes():
         v = da.from_array(v32, chunks=(1, 1, 8, 6))
         out, pb = aa.vjp(aa.scaled_dot_product_attention, q, k, v, enable_gqa=True, is_causal=True)
         got, dq = client.compute([out, pb(da.ones_like(out))[0]], sync=True)
+        tuned = client.run(lambda: sys.modules["arrayattn.ops._dask"]._HEAP_TUNED)
+    if sys.platform.startswith("linux"):  # workers keep freed memory for the next task
+        assert set(tuned.values()) == {True}, tuned
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
     np.testing.assert_allclose(dq, dq_want, rtol=1e-5, atol=1e-5)
+
+
+def test_local_schedulers_leave_the_allocator_alone(monkeypatch):
+    from arrayattn.ops import _dask
+
+    monkeypatch.setattr(_dask, "_HEAP_TUNED", None)
+    q = da.from_array(Q, chunks=(1, 2, 8, 8))
+    k = da.from_array(K, chunks=(1, 1, 8, 8))
+    v = da.from_array(V, chunks=(1, 1, 8, 6))
+    aa.scaled_dot_product_attention(q, k, v, enable_gqa=True).compute(scheduler="threads")
+    assert _dask._HEAP_TUNED is False  # a user's process is not a distributed worker
 
 
 @pytest.mark.slow
