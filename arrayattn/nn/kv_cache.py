@@ -18,7 +18,7 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-from .._backend import Array, device_of, namespace_of, resolve_namespace
+from .._backend import Array, Namespace, device_of, namespace_of, resolve_namespace
 
 __all__ = ["KVCache", "check_count", "host_lengths"]
 
@@ -65,6 +65,31 @@ def host_lengths(name: str, lengths: Any, batch_size: int, maximum: int) -> tupl
         b, n = bad[0]
         raise ValueError(f"{name}[{b}] = {n} is outside [0, {maximum}]")
     return out
+
+
+def check_new_entries(
+    key: Array,
+    value: Array,
+    lengths: Any,
+    batch_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    value_dim: int,
+) -> tuple[Namespace, int, tuple[int, ...]]:
+    """Validate the ``key``/``value`` entries given to a cache's ``append``: shapes
+    ``(B, Hkv, l, D)`` and ``(B, Hkv, l, Dv)``, one dtype, and the per-row counts
+    (``lengths``, default ``l`` for every row). Returns the namespace, ``l`` and the counts."""
+    xp = namespace_of(key=key, value=value)
+    ks, vs = tuple(int(d) for d in key.shape), tuple(int(d) for d in value.shape)
+    head = (batch_size, num_kv_heads)
+    if key.ndim != 4 or ks[:2] != head or ks[3] != head_dim:
+        raise ValueError(f"key must have shape (B, Hkv, l, D) = {head} + (l, {head_dim}), got {ks}")
+    if value.ndim != 4 or vs[:3] != ks[:3] or vs[3] != value_dim:
+        raise ValueError(f"value must have shape {ks[:3] + (value_dim,)}, got {vs}")
+    if key.dtype != value.dtype:
+        raise TypeError(f"key ({key.dtype}) and value ({value.dtype}) must share a dtype")
+    n = (ks[2],) * batch_size if lengths is None else lengths
+    return xp, ks[2], host_lengths("lengths", n, batch_size, ks[2])
 
 
 class KVCache:
@@ -305,19 +330,9 @@ class KVCache:
             >>> k.shape, cache.lengths.tolist(), cache.dtype
             ((2, 1, 2, 4), [2, 1], dtype('float64'))
         """
-        xp = namespace_of(key=key, value=value)
-        ks, vs = tuple(int(d) for d in key.shape), tuple(int(d) for d in value.shape)
-        head = (self.batch_size, self.num_kv_heads)
-        if key.ndim != 4 or ks[:2] != head or ks[3] != self.head_dim:
-            raise ValueError(
-                f"key must have shape (B, Hkv, l, D) = {head} + (l, {self.head_dim}), got {ks}"
-            )
-        if value.ndim != 4 or vs[:3] != ks[:3] or vs[3] != self.value_dim:
-            raise ValueError(f"value must have shape {ks[:3] + (self.value_dim,)}, got {vs}")
-        if key.dtype != value.dtype:
-            raise TypeError(f"key ({key.dtype}) and value ({value.dtype}) must share a dtype")
-        n = (ks[2],) * self.batch_size if lengths is None else lengths
-        n = host_lengths("lengths", n, self.batch_size, ks[2])
+        xp, l_new, n = check_new_entries(
+            key, value, lengths, self.batch_size, self.num_kv_heads, self.head_dim, self.value_dim
+        )
         self.check_append(n, key.dtype)
         snap = self._snapshot()
         if self.keys is None or self._rebinds(key.dtype):
@@ -328,11 +343,11 @@ class KVCache:
             self._restore(snap)
             raise
         starts = self._lengths.tolist()
-        uniform = len(set(starts)) == 1 and all(m == ks[2] for m in n)
+        uniform = len(set(starts)) == 1 and all(m == l_new for m in n)
         if uniform:  # one slice for the whole batch: the common decoding step
             s = starts[0]
-            self.keys = self._write(xp, self.keys, key, (slice(None), s, s + ks[2]))
-            self.values = self._write(xp, self.values, value, (slice(None), s, s + ks[2]))
+            self.keys = self._write(xp, self.keys, key, (slice(None), s, s + l_new))
+            self.values = self._write(xp, self.values, value, (slice(None), s, s + l_new))
         else:
             for b, (s, m) in enumerate(zip(starts, n, strict=True)):
                 if m:

@@ -23,7 +23,7 @@ import numpy as np
 
 from .._backend import Array, device_of, namespace_of, resolve_namespace
 from ._paged_kernel import attend_with_kernel, kernel_supports
-from .kv_cache import check_count, host_lengths
+from .kv_cache import check_count, check_new_entries, host_lengths
 
 __all__ = ["PagedKVCache"]
 
@@ -209,19 +209,9 @@ class PagedKVCache:
             >>> cache.lengths.tolist(), cache.block_tables, cache.dtype
             ([3], [[0, 1]], dtype('float64'))
         """
-        xp = namespace_of(key=key, value=value)
-        ks, vs = tuple(int(d) for d in key.shape), tuple(int(d) for d in value.shape)
-        head = (self.batch_size, self.num_kv_heads)
-        if key.ndim != 4 or ks[:2] != head or ks[3] != self.head_dim:
-            raise ValueError(
-                f"key must have shape (B, Hkv, l, D) = {head} + (l, {self.head_dim}), got {ks}"
-            )
-        if value.ndim != 4 or vs[:3] != ks[:3] or vs[3] != self.value_dim:
-            raise ValueError(f"value must have shape {ks[:3] + (self.value_dim,)}, got {vs}")
-        if key.dtype != value.dtype:
-            raise TypeError(f"key ({key.dtype}) and value ({value.dtype}) must share a dtype")
-        n = (ks[2],) * self.batch_size if lengths is None else lengths
-        n = host_lengths("lengths", n, self.batch_size, ks[2])
+        xp, _, n = check_new_entries(
+            key, value, lengths, self.batch_size, self.num_kv_heads, self.head_dim, self.value_dim
+        )
         self.check_append(n, key.dtype)
         snap = self._snapshot()
         try:

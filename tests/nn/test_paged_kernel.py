@@ -148,38 +148,10 @@ def test_cupy_kernel_path_equals_the_generic_loop():
 def test_every_instantiation_compiles_under_nvrtc():
     """CuPy compiles with NVRTC, stricter than nvcc; the same lookup as
     tests/kernels/test_nvrtc.py finds libnvrtc."""
-    import importlib.util
-    import sys
+    from _nvrtc import find_nvrtc, lowered_names
 
-    from arrayattn.kernels import _loader
-
-    here = ROOT / "tests" / "kernels"
-    sys.path.insert(0, str(here))
-    try:
-        spec = importlib.util.spec_from_file_location("_aa_nvrtc_probe", here / "test_nvrtc.py")
-        probe = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(probe)
-    finally:
-        sys.path.remove(str(here))
-    lib = probe._find_nvrtc()
+    lib = find_nvrtc()
     if lib is None:
         pytest.skip("libnvrtc not found")
     names = [kernel_name(t, d, dv) for t in ("float32", "float64") for d in DIMS for dv in DIMS]
-    prog = ctypes.c_void_p()
-    src = _loader.kernel_source(KERNEL_FILE).encode()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, KERNEL_FILE.encode(), 0, None, None) == 0
-    try:
-        for name in names:
-            assert lib.nvrtcAddNameExpression(prog, name.encode()) == 0
-        opts = [o.encode() for o in _loader.COMPILE_OPTIONS] + [b"-arch=compute_90"]
-        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-        size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(prog, log)
-        assert rc == 0, log.value.decode(errors="replace")[-4000:]
-        for name in names:
-            lowered = ctypes.c_char_p()
-            assert lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(lowered)) == 0
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    lowered_names(lib, KERNEL_FILE, names)
