@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 
-from .._backend import Array, full_scalar, is_lazy, sum_to_shape
+from .._backend import Array, exp_shifted, full_scalar, is_lazy, sum_to_shape
 from . import _composed
 from ._attention_spec import AttentionSpec
 from .attention import register_implementation
@@ -247,7 +247,7 @@ def forward(
             # A row that has seen no key yet keeps m = -inf; shift it by 0 instead, so
             # exp gives 0 and never NaN.
             m_safe = xp.where(xp.isfinite(m_new), m_new, zero)
-            p = xp.exp(s - m_safe)
+            p = exp_shifted(xp, s, m_safe)  # (s is this block's own: overwritten)
             t = None
             if cols_ext.total is None:  # (with dropout: the sum of the undropped p)
                 t = xp.sum(p, axis=-1, keepdims=True)
@@ -368,7 +368,7 @@ def backward(
                 cols,
                 check_structure=not inside,
             )
-            p = _composed.probabilities_from_lse(spec, s, lse_blk)
+            p = _composed.probabilities_from_lse(spec, s, lse_blk, overwrite=True)
             if row_total is not None:
                 p = p / row_total
             ds, dv_g = _composed.backward_block(
@@ -438,7 +438,8 @@ def _row_totals(
             cols,
             check_structure=not inside,
         )
-        part = xp.sum(_composed.probabilities_from_lse(spec, s, lse_blk), axis=-1, keepdims=True)
+        p = _composed.probabilities_from_lse(spec, s, lse_blk, overwrite=True)
+        part = xp.sum(p, axis=-1, keepdims=True)
         total = part if total is None else total + part
     if total is None:
         return None
