@@ -39,6 +39,8 @@ __all__ = [
     "full_scalar",
     "broadcast_shapes",
     "exp_shifted",
+    "NumpyBridge",
+    "numpy_bridge",
 ]
 
 
@@ -220,6 +222,62 @@ def exp_shifted(xp: Namespace, scratch: Array, shift: Array) -> Array:
 
         return cupy.exp(cupy.subtract(scratch, shift, out=scratch), out=scratch)
     return xp.exp(scratch - shift)
+
+
+class NumpyBridge:
+    """Zero-copy NumPy views of another library's CPU arrays, and back (see
+    :func:`numpy_bridge`). Only PyTorch CPU tensors have one today."""
+
+    def __init__(self, library: Any) -> None:
+        self._torch = library
+
+    def dtype(self, dtype: Any) -> Any:
+        """The NumPy dtype for the library's ``dtype``, or ``None`` when NumPy has none
+        (``torch.bfloat16``)."""
+        import numpy
+
+        torch = self._torch
+        table = {
+            torch.float16: numpy.float16,
+            torch.float32: numpy.float32,
+            torch.float64: numpy.float64,
+        }
+        found = table.get(dtype)
+        return None if found is None else numpy.dtype(found)
+
+    def to_numpy(self, x: Array | None) -> Any:
+        """A NumPy view of ``x``'s memory (no copy; a tensor that requires grad is
+        detached first: arrayattn's gradients are its own)."""
+        if x is None:
+            return None
+        return x.detach().resolve_conj().resolve_neg().numpy()
+
+    def from_numpy(self, a: Any) -> Array:
+        """A tensor sharing ``a``'s memory (a read-only NumPy result is copied first)."""
+        if a is None:
+            return None
+        if not a.flags.writeable:
+            a = a.copy()
+        return self._torch.from_numpy(a)
+
+
+def numpy_bridge(xp: Namespace, device: Any) -> NumpyBridge | None:
+    """A :class:`NumpyBridge` when arrays of ``xp`` on ``device`` can be viewed as NumPy
+    arrays without a copy (PyTorch tensors on the CPU), else ``None``. NumPy code (the
+    fast path) can then run on them directly: the data stays where it is.
+
+    Examples:
+        >>> import numpy as np
+        >>> numpy_bridge(resolve_namespace(np), "cpu") is None  # NumPy needs no bridge
+        True
+    """
+    if not array_api_compat.is_torch_namespace(xp):
+        return None
+    if getattr(device, "type", device) != "cpu":
+        return None
+    import torch
+
+    return NumpyBridge(torch)
 
 
 def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
