@@ -181,7 +181,67 @@ def _torch_calls(q, k, v, causal: bool) -> dict[str, Callable[[], Any]]:
         calls[f"arrayattn {impl}"] = functools.partial(
             aa.scaled_dot_product_attention, tq, tk, tv, is_causal=causal, implementation=impl
         )
+    calls[f"arrayattn auto (ran {_auto_ran(tq, tk, tv, causal)})"] = calls.pop("arrayattn auto")
+    calls["array-API floor (chunked's blocks, minimal ops)"] = functools.partial(
+        _online_softmax_floor, torch, tq, tk, tv, causal, _chunked_blocks(tq, tk, tv, causal)
+    )
     return calls
+
+
+def _auto_ran(q, k, v, causal: bool) -> str:
+    from .ops._attention_spec import make_spec
+    from .ops.attention import auto_choice
+
+    return auto_choice(
+        make_spec(q, k, v, None, 0.0, causal, None, False, "top_left", None, None, None)
+    )
+
+
+def _chunked_blocks(q, k, v, causal: bool) -> tuple[int, int]:
+    from .ops._attention_spec import make_spec
+    from .ops.chunked import block_sizes
+
+    return block_sizes(
+        make_spec(q, k, v, None, 0.0, causal, None, False, "top_left", None, None, None)
+    )
+
+
+def _online_softmax_floor(torch, q, k, v, causal: bool, blocks: tuple[int, int]):
+    """The least any array-API formulation of the chunked path does, written in the
+    library's own ops: per block one product for the scores, a row max, the shift and
+    ``exp`` in place, a row sum, one product with V, the rescale; causal blocks past the
+    diagonal skipped and the diagonal ones masked. No masks, lengths, garbage handling or
+    checks: what the chunked path costs beyond this is its generality."""
+    bq, bk = blocks
+    L, S = q.shape[-2], k.shape[-2]
+    scale = q.shape[-1] ** -0.5
+    outs = []
+    with torch.no_grad():
+        for r0 in range(0, L, bq):
+            r1 = min(r0 + bq, L)
+            qb = q[..., r0:r1, :] * scale
+            m = acc = total = None
+            for c0 in range(0, r1 if causal else S, bk):
+                c1 = min(c0 + bk, S)
+                s = qb @ k[..., c0:c1, :].mT
+                if causal and c1 > r0:
+                    rows = torch.arange(r0, r1).unsqueeze(-1)
+                    s.masked_fill_(torch.arange(c0, c1) > rows, float("-inf"))
+                m_new = s.amax(-1, keepdim=True)
+                if m is not None:
+                    m_new = torch.maximum(m, m_new)
+                p = s.sub_(m_new).exp_()
+                pv = p @ v[..., c0:c1, :]
+                t = p.sum(-1, keepdim=True)
+                if m is None:
+                    acc, total = pv, t
+                else:
+                    alpha = torch.exp(m - m_new)
+                    acc = acc * alpha + pv
+                    total = total * alpha + t
+                m = m_new
+            outs.append(acc / total)
+    return torch.cat(outs, -2)
 
 
 def _jax_calls(q, k, v, causal: bool) -> dict[str, Callable[[], Any]]:

@@ -159,3 +159,18 @@ def test_array_api_and_crossover_tables_format_measured_times():
     times = {"fast": 3e-3, "composed": 1e-3, "chunked": 2e-3, "auto": 1e-3}
     text = sec.format_crossover([{"case": (2, 8, 4, 4, False), "times": times, "auto": "composed"}])
     assert "| 2 | 8 | 4 | 4 | no | 3.00 | 1.00 | 2.00 | 1.00 | composed | composed |" in text
+
+
+def test_array_api_section_names_what_auto_ran_and_times_the_floor():
+    pytest.importorskip("torch")
+    from arrayattn import bench_sections as sec
+
+    results = sec.measure_array_api(repeats=1, shape=(1, 2, 64, 8))
+    torch_rows = [r for r in results if r["lib"] == "torch"]
+    assert len(torch_rows) == 2
+    for r in torch_rows:
+        names = set(r["times"])
+        assert "array-API floor (chunked's blocks, minimal ops)" in names
+        assert any(n.startswith("arrayattn auto (ran ") for n in names)
+    text = sec.format_array_api(results, shape=(1, 2, 64, 8))
+    assert "array-API floor" in text

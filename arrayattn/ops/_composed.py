@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._backend import Array, Namespace, full_scalar, sum_to_shape
+from .._backend import Array, Namespace, exp_shifted, full_scalar, sum_to_shape
 from ._attention_spec import AttentionSpec
 from .dropout import dropout_keep
 from .masks import structural_allowed
@@ -309,17 +309,23 @@ def softmax_with_lse(spec: AttentionSpec, s: Array) -> tuple[Array, Array]:
     return p, lse[..., 0]
 
 
-def probabilities_from_lse(spec: AttentionSpec, s: Array, lse: Array) -> Array:
+def probabilities_from_lse(
+    spec: AttentionSpec, s: Array, lse: Array, overwrite: bool = False
+) -> Array:
     """``P = exp(S - LSE)`` with empty rows (LSE ``-inf``) giving zeros, not NaN, rows
     with a NaN/+inf LSE (non-finite scores) giving NaN where they take part, and
     excluded pairs (score ``-inf``) giving exactly 0 on every row.
-    ``lse`` has a trailing axis of 1 that broadcasts over keys."""
+    ``lse`` has a trailing axis of 1 that broadcasts over keys. ``overwrite=True`` lets
+    ``P`` take ``s``'s memory (``s`` must be the caller's own temporary)."""
     xp = spec.xp
     zero = full_scalar(xp, 0.0, spec.cdtype, spec.device)
     neg_inf = full_scalar(xp, -float("inf"), spec.cdtype, spec.device)
-    p = xp.exp(s - xp.where(lse == neg_inf, zero, lse))
-    if spec.may_mask:  # exp(-inf - NaN) is NaN: excluded pairs stay 0 on NaN rows too
-        p = xp.where(s == neg_inf, zero, p)
+    # exp(-inf - NaN) is NaN: excluded pairs stay 0 on NaN rows too
+    excluded = (s == neg_inf) if spec.may_mask else None
+    shift = xp.where(lse == neg_inf, zero, lse)
+    p = exp_shifted(xp, s, shift) if overwrite else xp.exp(s - shift)
+    if excluded is not None:
+        p = xp.where(excluded, zero, p)
     return p
 
 
@@ -567,7 +573,7 @@ def forward(
         m = xp.where(xp.isfinite(m), m, zero)  # empty rows: exp(-inf - 0) = 0
         total = acc = None
         for p0, p1, rows, cols, s in parts:
-            e = xp.exp(s - m)
+            e = exp_shifted(xp, s, m)  # (s is this part's own: overwritten)
             if cols_ext.total is None:  # (with dropout: the sum of the undropped e)
                 t = xp.sum(e, axis=-1, keepdims=True)
                 total = t if total is None else total + t
@@ -671,7 +677,7 @@ def backward(
             cols,
             check_structure=not inside_band(spec, r0, r1, c0, c1),
         )
-        p = probabilities_from_lse(spec, s, rows_of(lse_g, r0, r1))
+        p = probabilities_from_lse(spec, s, rows_of(lse_g, r0, r1), overwrite=True)
         # A huge finite bias (Hugging Face's finfo.min masks) can absorb log(rowsum) into
         # the LSE (m + log S == m in floating point): exp(S - LSE) then sums to S, not 1.
         # A block holds all the keys its rows see, so renormalise (a no-op up to rounding

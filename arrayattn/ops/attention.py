@@ -200,7 +200,8 @@ def scaled_dot_product_attention(
             (``"composed"``: whole ``L x S`` score matrices; ``"chunked"``: online
             softmax over key blocks, memory ``O(L x block)``). ``"auto"`` runs the CuPy
             kernel when it takes the call, else the cheapest of ``"composed"``,
-            ``"chunked"`` and the NumPy ``"fast"`` path by a measured cost model
+            ``"chunked"`` and the NumPy ``"fast"`` path (NumPy arrays, and PyTorch CPU
+            tensors through zero-copy NumPy views) by a measured cost model
             (``arrayattn.ops._cost``; docs: Performance, "How auto chooses"), never
             ``"composed"`` when one of its row blocks would exceed
             ``arrayattn.ops.chunked.AUTO_CHUNK_BYTES`` (256 MiB).

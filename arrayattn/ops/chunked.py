@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 
-from .._backend import Array, full_scalar, is_lazy, sum_to_shape
+from .._backend import Array, exp_shifted, full_scalar, is_lazy, sum_to_shape
 from . import _composed
 from ._attention_spec import AttentionSpec
 from .attention import register_implementation
@@ -51,15 +51,17 @@ BLOCK_K: int | None = None
 """Keys per block; ``None`` (the default): chosen per call by :func:`block_sizes`
 (a keyword ``block_k=`` overrides it per call)."""
 
-BLOCK_BYTES = 2 * 2**20
+BLOCK_BYTES = 4 * 2**20
 """Target size of one block's score matrix over all batches and heads (compute dtype):
 large enough that each array-API call does a lot of work, small enough that the block's
-few temporaries (scores, shifted scores, probabilities) stay near the cache and are
-recycled by the allocator (and at most 1/64 of the whole score matrix, since this path
-exists to bound memory). Measured on PyTorch CPU tensors (B1 H8 L2048 D64 float32, 2
-threads): 8 MiB blocks of 128 x 2048 page-faulted ~20,000 times per call (freed 8 MiB
-temporaries went back to the OS and came back zeroed) and ran ~15% slower than 2 MiB
-blocks of 128 x 512, which fault almost never."""
+temporaries stay near the cache and are recycled by the allocator (and at most 1/32 of
+the whole score matrix, since this path exists to bound memory). The scores are
+shifted and exponentiated in place where the library allows it
+(``_backend.exp_shifted``), so a block costs one score-sized array, not three. Measured
+on PyTorch CPU tensors (B1 H8 L2048 D64 float32, 2 threads, quiet machine, ratio to
+SDPA): 128 x 512 blocks (2 MiB) 2.19-2.22 full / 2.34-2.38 causal, 256 x 512 (4 MiB)
+1.83-1.92 / 2.06-2.19, 256 x 1024 (8 MiB) 1.83-1.88 / 2.06-2.17, 512 x 512 1.74-1.79 /
+2.36-2.62, all keys in one block of 2048 2.31 / 6.07."""
 MIN_BLOCK_ROWS = 16
 MIN_BLOCK_KEYS = 128
 STRUCTURED_ROW_BLOCKS = 8
@@ -78,12 +80,12 @@ def score_matrix_bytes(spec: AttentionSpec) -> int:
     return spec.batch_size * spec.Hq * spec.L * spec.S * itemsize
 
 
-def block_sizes(spec: AttentionSpec) -> tuple[int, int]:
+def block_sizes(spec: AttentionSpec, backward: bool = False) -> tuple[int, int]:
     """``(block_q, block_k)`` for a call, from ``L``, ``S``, the batch and heads and the
-    compute dtype: blocks of :data:`BLOCK_BYTES` about four times wider than tall
-    (``128 x 512`` at 2 MiB over 8 heads: measured faster than all keys in one block of
-    ``32 x 2048`` or square ``256 x 256`` ones), or the whole matrix in one block when
-    it fits. ``E``/``Ev`` only add ``(block_q + block_k) x E``
+    compute dtype: blocks of :data:`BLOCK_BYTES` about twice as wide as tall
+    (``256 x 512`` at 4 MiB over 8 heads: measured faster than ``128 x 512``, all keys in
+    one block or square ``512 x 512`` ones on causal calls), or the whole matrix in one
+    block when it fits. ``E``/``Ev`` only add ``(block_q + block_k) x E``
     operands.
 
     Examples:
@@ -93,20 +95,22 @@ def block_sizes(spec: AttentionSpec) -> tuple[int, int]:
         >>> spec = make_spec(q, q, q, None, 0.0, False, None, False, "top_left", None,
         ...                  None, None)
         >>> block_sizes(spec)
-        (128, 512)
+        (256, 512)
     """
     itemsize = 8 if spec.cdtype == spec.xp.float64 else 4
     per_pair = max(1, spec.batch_size * spec.Hq) * itemsize
-    # At most 1/64 of the whole score matrix: this path exists to bound memory, and the
+    # At most 1/32 of the whole score matrix: this path exists to bound memory, and the
     # backward holds several block-sized temporaries at once.
-    budget = min(BLOCK_BYTES, max(2**18, score_matrix_bytes(spec) // 64))
+    share = 2 if backward else 1
+    budget = min(BLOCK_BYTES // share, max(2**18, score_matrix_bytes(spec) // (32 * share)))
     elements = max(1, budget // per_pair)  # scores per (batch, head) in one block
     L, S = max(1, spec.L), max(1, spec.S)
     if L * S <= elements:  # the whole matrix in one block
         bq, bk = L, S
     else:
-        bq = min(L, max(MIN_BLOCK_ROWS, int(math.isqrt(elements // 4))))
-        bk = min(S, max(MIN_BLOCK_KEYS, elements // bq))
+        # Powers of two for the rows, multiples of 128 for the keys: BLAS-friendly sizes.
+        bq = min(L, max(MIN_BLOCK_ROWS, 1 << (max(1, math.isqrt(elements // 2)).bit_length() - 1)))
+        bk = min(S, max(MIN_BLOCK_KEYS, elements // bq // MIN_BLOCK_KEYS * MIN_BLOCK_KEYS))
     if not spec.structure.is_trivial:
         # Skipping works per block: causal/windowed calls use several row blocks (the
         # forward trims each to the keys its rows see; the backward's key grid is
@@ -117,12 +121,15 @@ def block_sizes(spec: AttentionSpec) -> tuple[int, int]:
 
 
 def _block_sizes(
-    block_q: int | None, block_k: int | None, spec: AttentionSpec | None = None
+    block_q: int | None,
+    block_k: int | None,
+    spec: AttentionSpec | None = None,
+    backward: bool = False,
 ) -> tuple[int, int]:
     bq = BLOCK_Q if block_q is None else block_q
     bk = BLOCK_K if block_k is None else block_k
     if (bq is None or bk is None) and spec is not None:
-        auto_q, auto_k = block_sizes(spec)
+        auto_q, auto_k = block_sizes(spec, backward)
         bq = auto_q if bq is None else bq
         bk = auto_k if bk is None else bk
     for name, b in (("block_q", bq), ("block_k", bk)):
@@ -247,7 +254,7 @@ def forward(
             # A row that has seen no key yet keeps m = -inf; shift it by 0 instead, so
             # exp gives 0 and never NaN.
             m_safe = xp.where(xp.isfinite(m_new), m_new, zero)
-            p = xp.exp(s - m_safe)
+            p = exp_shifted(xp, s, m_safe)  # (s is this block's own: overwritten)
             t = None
             if cols_ext.total is None:  # (with dropout: the sum of the undropped p)
                 t = xp.sum(p, axis=-1, keepdims=True)
@@ -322,7 +329,7 @@ def backward(
         >>> dq.shape, dk.shape, dv.shape, dm
         ((1, 2, 5, 4), (1, 2, 5, 4), (1, 2, 5, 4), None)
     """
-    bq, bk = _block_sizes(block_q, block_k, spec)
+    bq, bk = _block_sizes(block_q, block_k, spec, backward=True)
     if spec.L == 0:
         return _composed.backward(spec, query, key, value, attn_mask, out, lse, d_out, d_lse)
     xp = spec.xp
@@ -368,7 +375,7 @@ def backward(
                 cols,
                 check_structure=not inside,
             )
-            p = _composed.probabilities_from_lse(spec, s, lse_blk)
+            p = _composed.probabilities_from_lse(spec, s, lse_blk, overwrite=True)
             if row_total is not None:
                 p = p / row_total
             ds, dv_g = _composed.backward_block(
@@ -438,7 +445,8 @@ def _row_totals(
             cols,
             check_structure=not inside,
         )
-        part = xp.sum(_composed.probabilities_from_lse(spec, s, lse_blk), axis=-1, keepdims=True)
+        p = _composed.probabilities_from_lse(spec, s, lse_blk, overwrite=True)
+        part = xp.sum(p, axis=-1, keepdims=True)
         total = part if total is None else total + part
     if total is None:
         return None

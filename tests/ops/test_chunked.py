@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import arrayattn as aa
 from arrayattn.ops import _composed, chunked
 from arrayattn.ops._attention_spec import make_spec
-from arrayattn.ops.attention import _REGISTRY, _select
+from arrayattn.ops.attention import _REGISTRY, _select, auto_choice
 
 SETTINGS = settings(
     max_examples=10,
@@ -370,7 +370,9 @@ def test_auto_never_runs_composed_blocks_above_the_documented_size(backend, monk
     assert chunked.score_matrix_bytes(spec) == 2 * 3 * 5 * 5 * 8
     assert _select(spec, "auto") is _composed  # small: the cost model's choice
     monkeypatch.setattr(chunked, "AUTO_CHUNK_BYTES", chunked.score_matrix_bytes(spec) - 1)
-    assert _select(spec, "auto") is _REGISTRY["chunked"].impl
+    # PyTorch CPU tensors may also go to the NumPy fast path (on views of them).
+    allowed = ("chunked", "fast") if backend.name == "torch" else ("chunked",)
+    assert auto_choice(spec) in allowed
     monkeypatch.setattr(chunked, "AUTO_CHUNK_BYTES", chunked.score_matrix_bytes(spec))
     assert _select(spec, "auto") is _composed
     # Named explicitly, the chunked path runs whatever the size.

@@ -333,7 +333,14 @@ AUTO_TABLE = [
     ((4, 32, 8, 1, 8192, 128, True, "numpy"), "fast"),
     ((1, 32, 8, 16, 32768, 128, True, "numpy"), "fast"),
     ((2, 4, 4, 8, 8, 16, False, "torch"), "composed"),
-    ((1, 32, 1, 1, 2**22, 128, False, "torch"), "chunked"),  # a row block > AUTO_CHUNK_BYTES
+    ((4, 8, 8, 128, 128, 64, False, "torch"), "composed"),  # below the fast path's crossover
+    ((1, 8, 8, 2048, 2048, 64, False, "torch"), "fast"),  # CPU tensors: NumPy views
+    ((1, 8, 8, 2048, 2048, 64, True, "torch"), "fast"),
+    ((1, 32, 8, 1, 4096, 128, True, "torch"), "fast"),  # decode
+    ((1, 32, 1, 1, 2**22, 128, False, "torch"), "fast"),
+    # bfloat16 (no NumPy view): a row block > AUTO_CHUNK_BYTES goes chunked
+    ((1, 32, 1, 1, 2**22, 128, False, "torch-bfloat16"), "chunked"),
+    ((1, 8, 8, 2048, 2048, 64, False, "torch-bfloat16"), "composed"),
 ]
 
 
@@ -341,11 +348,12 @@ AUTO_TABLE = [
 def test_auto_choice_table(case, expected, monkeypatch):
     B, Hq, Hkv, L, S, D, causal, lib = case
     monkeypatch.setattr(_cost, "_threads", lambda: 2)
-    if lib == "torch":
+    if lib.startswith("torch"):
         torch = pytest.importorskip("torch")
+        dtype = torch.bfloat16 if lib == "torch-bfloat16" else torch.float32
         # Shapes only: broadcast views of one element stand in for the arrays.
-        q = torch.zeros(()).expand(B, Hq, L, D)
-        kv = torch.zeros(()).expand(B, Hkv, S, D)
+        q = torch.zeros((), dtype=dtype).expand(B, Hq, L, D)
+        kv = torch.zeros((), dtype=dtype).expand(B, Hkv, S, D)
     else:
         q = np.broadcast_to(np.float32(0), (B, Hq, L, D))
         kv = np.broadcast_to(np.float32(0), (B, Hkv, S, D))
