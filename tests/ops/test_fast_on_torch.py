@@ -160,9 +160,7 @@ def test_fast_on_torch_gradients_match_torch_autograd():
     kg, vg = k[:, :2], v[:, :2]  # GQA 8/2, non-contiguous views
     out, pullback = aa.vjp(
         aa.scaled_dot_product_attention,
-        q,
-        kg,
-        vg,
+        *(x.detach() for x in (q, kg, vg)),
         is_causal=True,
         enable_gqa=True,
         implementation="fast",
