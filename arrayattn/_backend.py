@@ -41,6 +41,7 @@ __all__ = [
     "exp_shifted",
     "NumpyBridge",
     "numpy_bridge",
+    "records_gradients",
 ]
 
 
@@ -278,6 +279,23 @@ def numpy_bridge(xp: Namespace, device: Any) -> NumpyBridge | None:
     import torch
 
     return NumpyBridge(torch)
+
+
+def records_gradients(*arrays: Array | None) -> bool:
+    """True when the arrays' library records operations on any of them for its own
+    autograd: a PyTorch tensor that requires grad while grad mode is on.
+
+    Examples:
+        >>> import numpy as np
+        >>> records_gradients(np.ones(2), None)
+        False
+    """
+    for x in arrays:
+        if x is not None and array_api_compat.is_torch_array(x) and x.requires_grad:
+            import torch
+
+            return bool(torch.is_grad_enabled())
+    return False
 
 
 def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:

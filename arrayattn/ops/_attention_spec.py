@@ -22,6 +22,7 @@ from .._backend import (
     is_real_floating,
     namespace_of,
     prod,
+    records_gradients,
 )
 from .dropout import normalize_seed
 from .masks import CAUSAL_ALIGNMENTS, Structure, parse_window
@@ -97,6 +98,10 @@ class AttentionSpec:
     col0: int = 0
     partial_keys: bool = False
     offset_range: tuple[int, int] | None = None
+    # Some input is recorded by its own library's autograd (a PyTorch tensor that
+    # requires grad, under grad mode): paths that leave the library (the fast path on
+    # NumPy views of CPU tensors) decline, so that autograd still sees every operation.
+    autograd: bool = False
 
     def as_block(
         self,
@@ -429,6 +434,7 @@ def make_spec(
         alibi_slopes=alibi_slopes,
         sinks_g=sinks_g,
         alibi_g=alibi_g,
+        autograd=records_gradients(query, key, value, attn_mask, sinks, alibi_slopes),
     )
 
 

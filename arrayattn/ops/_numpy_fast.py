@@ -111,6 +111,11 @@ def declines(spec: AttentionSpec) -> str | None:
         bridge = numpy_bridge(spec.xp, spec.device)
         if bridge is None:
             return "the NumPy fast path runs on NumPy arrays and PyTorch CPU tensors only"
+        if spec.autograd:
+            return (
+                "inputs that require grad: PyTorch's autograd cannot follow the NumPy fast "
+                "path (use arrayattn.vjp on detached tensors, or torch.no_grad())"
+            )
         dtype = bridge.dtype(spec.dtype)
         if dtype is None:
             return f"the NumPy fast path supports float16/float32/float64, got {spec.dtype}"
