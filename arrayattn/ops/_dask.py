@@ -502,6 +502,26 @@ class _Plan:
             ]
         return reach
 
+    def cut_by_band(self, i: int, j: int) -> bool:
+        """True when the causal/window band's edge crosses block ``(i, j)`` (or may: with
+        per-sequence lengths the band is data), so the block does less work than a full
+        one. Such blocks get their own task name, so that the scheduler learns their
+        duration apart from the full blocks'."""
+        spec = self.spec
+        if spec.structure.is_trivial:
+            return False
+        if spec.has_lengths:
+            return True
+        r0 = _starts(self.row_chunks)[i]
+        r1 = r0 + self.row_chunks[i]
+        c0 = _starts(self.col_chunks)[j]
+        c1 = c0 + self.col_chunks[j]
+        for r in (r0, r1 - 1):
+            lo, hi = spec.structure.col_range(r, r + 1, spec.S, spec.offset_bounds)
+            if lo > c0 or hi < c1:
+                return True
+        return False
+
     def block(self, li, hi, i, j) -> _Block:
         lead = self.spec.lead
         ranges = []
@@ -688,7 +708,10 @@ def forward(
     """
     plan = _plan(spec, query, key, value, attn_mask, "fwd")
     dsk: dict = {}
+    # Distinct names (Dask keeps per-name duration estimates): full blocks, blocks cut by
+    # the causal/window band (about half the work), and merges (a few milliseconds).
     blk_name = "attn-blocks-" + plan.token
+    edge_name = "attn-edge-blocks-" + plan.token
     out_name, lse_name = "attn-out-" + plan.token, "attn-lse-" + plan.token
     out_dsk, lse_dsk = {}, {}
     reach = plan.blocks()
@@ -697,7 +720,7 @@ def forward(
             qk = plan.q_key(li, hi, i)
             leaves = []
             for j in reach[i]:
-                key_ = (blk_name, *li, hi, i, j)
+                key_ = (edge_name if plan.cut_by_band(i, j) else blk_name, *li, hi, i, j)
                 dsk[key_] = (
                     _forward_block,
                     plan.block(li, hi, i, j),
@@ -714,7 +737,7 @@ def forward(
                 root = (blk_name + "-empty", *li, hi, i)
                 dsk[root] = (_empty_state, plan.shapes(li, hi, i), qk)
             else:
-                merge_name = blk_name + "-merge-" + "-".join(map(str, (*li, hi, i)))
+                merge_name = "attn-merge-" + plan.token + "-" + "-".join(map(str, (*li, hi, i)))
                 root = _tree(dsk, merge_name, leaves, MERGE_FAN_IN, lambda lv, g: (_merge, *g))
                 if spec.mask_kind == "float" and len(leaves) > 1:
                     root = _renormalise_forward(plan, dsk, blk_name, li, hi, i, root, leaves)
