@@ -4,6 +4,7 @@ Each of the composed, chunked and NumPy fast paths costs, for a call,
 
     call + step * steps + mat * products + elem * elements / elem_threads
          + mac * multiply_adds / threads
+         + skinny * multiply_adds * min(1, K/V bytes / CACHE_BYTES)  (decode-shaped calls)
 
 where ``steps`` is the number of Python-level tiles or blocks the path runs (its
 per-call overhead grows with them), ``products`` the small matrix products a batched
@@ -53,6 +54,15 @@ class PathCost:
     elem: float
     mac: float
     elem_threaded: bool  # do the elementwise passes use every thread?
+    # Extra seconds per multiply-add when a call's products have at most SKINNY_ROWS
+    # stacked rows (decode) and its K/V do not fit the cache: such products read each K/V
+    # element for only a few rows, so they run at memory speed, far below the ``mac`` rate
+    # of prefill-shaped ones (scaled by the K/V bytes over CACHE_BYTES, at most 1).
+    skinny: float = 0.0
+
+
+SKINNY_ROWS = 16
+CACHE_BYTES = 32 * 2**20
 
 
 # From bench/calibrate_auto.py's fits and repeated interleaved timings on a 2-vCPU AMD
@@ -66,10 +76,22 @@ COSTS: dict[tuple[str, str], PathCost] = {
         call=100e-6, step=40e-6, mat=0.0, elem=1.0e-9, mac=0.03e-9, elem_threaded=True
     ),
     ("composed", "numpy"): PathCost(
-        call=50e-6, step=50e-6, mat=4.0e-6, elem=8.0e-9, mac=0.03e-9, elem_threaded=False
+        call=50e-6,
+        step=50e-6,
+        mat=4.0e-6,
+        elem=8.0e-9,
+        mac=0.03e-9,
+        elem_threaded=False,
+        skinny=0.09e-9,
     ),
     ("chunked", "numpy"): PathCost(
-        call=80e-6, step=100e-6, mat=4.0e-6, elem=9.0e-9, mac=0.03e-9, elem_threaded=False
+        call=80e-6,
+        step=100e-6,
+        mat=4.0e-6,
+        elem=9.0e-9,
+        mac=0.03e-9,
+        elem_threaded=False,
+        skinny=0.09e-9,
     ),
     # The fast path on PyTorch CPU tensors: the same NumPy code on views of them; its
     # call is set to the array-API paths' plus the ~0.15 ms measured for the views and
@@ -78,10 +100,22 @@ COSTS: dict[tuple[str, str], PathCost] = {
         call=0.95e-3, step=40e-6, mat=0.0, elem=1.0e-9, mac=0.03e-9, elem_threaded=True
     ),
     ("composed", "array"): PathCost(
-        call=0.8e-3, step=110e-6, mat=0.05e-6, elem=1.5e-9, mac=0.06e-9, elem_threaded=True
+        call=0.8e-3,
+        step=110e-6,
+        mat=0.05e-6,
+        elem=1.5e-9,
+        mac=0.06e-9,
+        elem_threaded=True,
+        skinny=0.15e-9,
     ),
     ("chunked", "array"): PathCost(
-        call=0.8e-3, step=140e-6, mat=0.13e-6, elem=1.5e-9, mac=0.06e-9, elem_threaded=True
+        call=0.8e-3,
+        step=140e-6,
+        mat=0.13e-6,
+        elem=1.5e-9,
+        mac=0.06e-9,
+        elem_threaded=True,
+        skinny=0.15e-9,
     ),
 }
 
@@ -154,9 +188,12 @@ def features(spec: AttentionSpec, name: str, threads: int) -> tuple[int, int, in
     return steps, 2 * steps * groups, elements, elements * width
 
 
-def estimate(spec: AttentionSpec, name: str, threads: int | None = None) -> float:
+def estimate(
+    spec: AttentionSpec, name: str, threads: int | None = None, cost: PathCost | None = None
+) -> float:
     """Estimated seconds of path ``name`` (``"fast"``, ``"chunked"``, ``"composed"``)
-    for the forward of this call.
+    for the forward of this call (with ``cost``'s constants instead of the table's when
+    given).
 
     Examples:
         >>> import numpy as np
@@ -169,15 +206,21 @@ def estimate(spec: AttentionSpec, name: str, threads: int | None = None) -> floa
     """
     threads = _threads() if threads is None else threads
     lib = "numpy" if is_numpy(spec.xp) else "array"
-    c = COSTS[(name, lib)]
+    c = COSTS[(name, lib)] if cost is None else cost
     steps, products, elements, macs = features(spec, name, threads)
     elem_div = threads if c.elem_threaded else 1
+    skinny = 0.0
+    if c.skinny and spec.G * spec.L <= SKINNY_ROWS:
+        itemsize = 8 if spec.cdtype == spec.xp.float64 else 4
+        kv_bytes = spec.batch_size * spec.Hkv * spec.S * (spec.E + spec.Ev) * itemsize
+        skinny = c.skinny * macs * min(1.0, kv_bytes / CACHE_BYTES)
     return (
         c.call
         + c.step * steps
         + c.mat * products
         + c.elem * elements / elem_div
         + c.mac * macs / threads
+        + skinny
     )
 
 
