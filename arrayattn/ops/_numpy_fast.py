@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from .._backend import NumpyBridge, is_numpy, numpy_bridge, resolve_namespace
+from .._backend import is_numpy, numpy_bridge
 from ._attention_spec import AttentionSpec
 from .dropout import dropout_keep
 from .masks import Structure, structural_allowed
@@ -1155,58 +1155,12 @@ def _add_mask_grad(spec, ctx, b, h, r0, r1, c0, c1, g):
 # scratch and pool helpers above.
 from ._fast_forward import forward  # noqa: E402
 
-_SPEC_ARRAYS = (
-    "q_lengths",
-    "kv_lengths",
-    "q_len_g",
-    "kv_len_g",
-    "offset_g",
-    "sinks",
-    "alibi_slopes",
-    "sinks_g",
-    "alibi_g",
-)
-
-
-def _numpy_spec(spec: AttentionSpec, bridge: NumpyBridge) -> AttentionSpec:
-    """``spec`` over NumPy views of its arrays (same call, same options)."""
-    import dataclasses
-
-    views = {name: bridge.to_numpy(getattr(spec, name)) for name in _SPEC_ARRAYS}
-    dtype = bridge.dtype(spec.dtype)
-    cdtype = np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
-    xp = resolve_namespace(np)
-    return dataclasses.replace(spec, xp=xp, device="cpu", dtype=dtype, cdtype=cdtype, **views)
-
-
-class _FastPath:
-    """The registered ``"fast"`` implementation: NumPy arrays directly, and PyTorch CPU
-    tensors through zero-copy NumPy views (``_backend.numpy_bridge``): inputs are viewed,
-    never copied, and the results are tensors over the NumPy results' memory."""
-
-    @staticmethod
-    def forward(spec, query, key, value, attn_mask):
-        if is_numpy(spec.xp):
-            return forward(spec, query, key, value, attn_mask)
-        bridge = numpy_bridge(spec.xp, spec.device)
-        views = (bridge.to_numpy(x) for x in (query, key, value, attn_mask))
-        out, lse = forward(_numpy_spec(spec, bridge), *views)
-        return bridge.from_numpy(out), bridge.from_numpy(lse)
-
-    @staticmethod
-    def backward(spec, query, key, value, attn_mask, out, lse, d_out, d_lse):
-        if is_numpy(spec.xp):
-            return backward(spec, query, key, value, attn_mask, out, lse, d_out, d_lse)
-        bridge = numpy_bridge(spec.xp, spec.device)
-        arrays = (query, key, value, attn_mask, out, lse, d_out, d_lse)
-        grads = backward(_numpy_spec(spec, bridge), *(bridge.to_numpy(x) for x in arrays))
-        return tuple(bridge.from_numpy(g) for g in grads)
-
 
 def _register() -> None:
+    from ._fast_path import FastPath
     from .attention import register_implementation
 
-    register_implementation("fast", _FastPath(), declines=declines, auto_rank=0)
+    register_implementation("fast", FastPath(), declines=declines, auto_rank=0)
 
 
 _register()
