@@ -214,14 +214,13 @@ def exp_shifted(xp: Namespace, scratch: Array, shift: Array) -> Array:
         return xp.exp(scratch - shift)  # the result is larger than the scratch
     if array_api_compat.is_torch_array(scratch):
         return scratch.sub_(shift).exp_()
+    ufuncs = None  # a library whose ufuncs take out=
     if array_api_compat.is_numpy_array(scratch) and scratch.flags.writeable:
-        import numpy
-
-        return numpy.exp(numpy.subtract(scratch, shift, out=scratch), out=scratch)
-    if array_api_compat.is_cupy_array(scratch):
-        import cupy
-
-        return cupy.exp(cupy.subtract(scratch, shift, out=scratch), out=scratch)
+        import numpy as ufuncs
+    elif array_api_compat.is_cupy_array(scratch):
+        import cupy as ufuncs
+    if ufuncs is not None:
+        return ufuncs.exp(ufuncs.subtract(scratch, shift, out=scratch), out=scratch)
     return xp.exp(scratch - shift)
 
 

@@ -188,22 +188,22 @@ def _torch_calls(q, k, v, causal: bool) -> dict[str, Callable[[], Any]]:
     return calls
 
 
-def _auto_ran(q, k, v, causal: bool) -> str:
+def _plain_spec(q, k, v, causal: bool):
     from .ops._attention_spec import make_spec
+
+    return make_spec(q, k, v, None, 0.0, causal, None, False, "top_left", None, None, None)
+
+
+def _auto_ran(q, k, v, causal: bool) -> str:
     from .ops.attention import auto_choice
 
-    return auto_choice(
-        make_spec(q, k, v, None, 0.0, causal, None, False, "top_left", None, None, None)
-    )
+    return auto_choice(_plain_spec(q, k, v, causal))
 
 
 def _chunked_blocks(q, k, v, causal: bool) -> tuple[int, int]:
-    from .ops._attention_spec import make_spec
     from .ops.chunked import block_sizes
 
-    return block_sizes(
-        make_spec(q, k, v, None, 0.0, causal, None, False, "top_left", None, None, None)
-    )
+    return block_sizes(_plain_spec(q, k, v, causal))
 
 
 def _online_softmax_floor(torch, q, k, v, causal: bool, blocks: tuple[int, int]):

@@ -504,23 +504,14 @@ class _Plan:
 
     def cut_by_band(self, i: int, j: int) -> bool:
         """True when the causal/window band's edge crosses block ``(i, j)`` (or may: with
-        per-sequence lengths the band is data), so the block does less work than a full
+        per-sequence diagonals the band is data), so the block does less work than a full
         one. Such blocks get their own task name, so that the scheduler learns their
         duration apart from the full blocks'."""
-        spec = self.spec
-        if spec.structure.is_trivial:
-            return False
-        if spec.has_lengths:
-            return True
-        r0 = _starts(self.row_chunks)[i]
-        r1 = r0 + self.row_chunks[i]
-        c0 = _starts(self.col_chunks)[j]
-        c1 = c0 + self.col_chunks[j]
-        for r in (r0, r1 - 1):
-            lo, hi = spec.structure.col_range(r, r + 1, spec.S, spec.offset_bounds)
-            if lo > c0 or hi < c1:
-                return True
-        return False
+        from . import _composed
+
+        r0, c0 = _starts(self.row_chunks)[i], _starts(self.col_chunks)[j]
+        r1, c1 = r0 + self.row_chunks[i], c0 + self.col_chunks[j]
+        return not _composed.inside_band(self.spec, r0, r1, c0, c1)
 
     def block(self, li, hi, i, j) -> _Block:
         lead = self.spec.lead

@@ -116,10 +116,8 @@ def declines(spec: AttentionSpec) -> str | None:
                 "inputs that require grad: PyTorch's autograd cannot follow the NumPy fast "
                 "path (use arrayattn.vjp on detached tensors, or torch.no_grad())"
             )
-        dtype = bridge.dtype(spec.dtype)
-        if dtype is None:
-            return f"the NumPy fast path supports float16/float32/float64, got {spec.dtype}"
-    if np.dtype(dtype) not in _SUPPORTED_DTYPES:
+        dtype = bridge.dtype(spec.dtype)  # None: NumPy has no such dtype (bfloat16)
+    if dtype is None or np.dtype(dtype) not in _SUPPORTED_DTYPES:
         return f"the NumPy fast path supports float16/float32/float64, got {spec.dtype}"
     if min(spec.L, spec.S, spec.E, spec.Ev) == 0:
         return "the NumPy fast path needs non-empty L, S and head dims"

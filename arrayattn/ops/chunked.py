@@ -154,20 +154,7 @@ def _key_blocks(spec: AttentionSpec, r0: int, r1: int, bk: int, clip: bool = Fal
         j = c0 // bk
         if clip:
             c0, c1 = max(c0, lo), min(c1, hi)
-        yield j, c0, c1, _inside(spec, r0, r1, c0, c1)
-
-
-def _inside(spec: AttentionSpec, r0: int, r1: int, c0: int, c1: int) -> bool:
-    st = spec.structure
-    if st.is_trivial:
-        return True
-    if spec.offset_g is not None:  # per-sequence diagonals are data: always test
-        return False
-    # Row i sees [i + off - left, i + off + right]; the block is inside when the last row's
-    # lower bound and the first row's upper bound enclose [c0, c1).
-    low_ok = st.left < 0 or c0 >= r1 - 1 + st.offset - st.left
-    high_ok = st.right < 0 or c1 - 1 <= r0 + st.offset + st.right
-    return low_ok and high_ok
+        yield j, c0, c1, _composed.inside_band(spec, r0, r1, c0, c1)
 
 
 def _mask_block(mask_g: Array | None, r0: int, r1: int, c0: int, c1: int) -> Array | None:
