@@ -512,7 +512,7 @@ def machine_description() -> dict[str, str]:
         except Exception:
             pass
     import arrayattn as aa
-    from arrayattn.ops._numpy_fast import num_threads
+    from arrayattn.ops._fast_threads import num_threads
 
     try:
         load = "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg())

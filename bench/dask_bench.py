@@ -5,8 +5,9 @@ graph on the cluster (``implementation="auto"`` picks the Dask path) and as one 
 call in this process (the NumPy fast path with this process's threads), interleaved and
 repeated. Chunks over batch, over heads and over the sequence; forward and
 forward+backward. Printed per case: graph build time, new tasks in the graph, median
-compute time (results left on the workers, as the inputs are; ``--gather`` also brings
-them to this process), the ratio to one process, and each
+compute time (from building the graph to its results being on the workers, as the inputs
+are; ``--gather`` also brings them to this process; each run on inputs persisted afresh
+before its clock starts), the ratio to one process, and each
 worker's peak resident memory (high-water mark since the worker started).
 
 Usage::
@@ -86,20 +87,23 @@ def run_case(
 
     rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal(case.shape, dtype=np.float32) for _ in range(3))
-    qd, kd, vd = (client.persist(da.from_array(x, chunks=case.chunks)) for x in (q, k, v))
-    wait([qd, kd, vd])
-    input_keys = {k for x in (qd, kd, vd) for k in dict(x.__dask_graph__())}
-    inputs = len(input_keys)
-
     runs = itertools.count()
 
-    def build():
-        # Each run reads the persisted inputs through aliases of its own name, so its
-        # graph's keys are new: the graph is deterministic, and a run with the keys of
-        # the previous one could be handed that run's results (or have its tasks cancelled
-        # while those are released).
+    def persisted_inputs() -> list:
+        # Every run gets inputs of its own, persisted (untimed) before its clock starts:
+        # the graph is deterministic, so a run on the previous run's inputs would have the
+        # previous run's keys (and could be handed its results, or have its tasks
+        # cancelled while those are released). Aliasing one persisted copy instead
+        # (``map_blocks``) would time a stage of extra tasks that are not attention's.
         salt = next(runs)
-        q_, k_, v_ = (x.map_blocks(np.asarray, name=f"input-{salt}-{x.name}") for x in (qd, kd, vd))
+        xs = [
+            client.persist(da.from_array(x, chunks=case.chunks, name=f"input-{salt}-{n}"))
+            for n, x in enumerate((q, k, v))
+        ]
+        wait(xs)
+        return xs
+
+    def build(q_, k_, v_) -> list:
         if not backward:
             return [aa.scaled_dot_product_attention(q_, k_, v_, is_causal=True)]
         out, pullback = aa.vjp(aa.scaled_dot_product_attention, q_, k_, v_, is_causal=True)
@@ -111,28 +115,34 @@ def run_case(
         out, pullback = aa.vjp(aa.scaled_dot_product_attention, q, k, v, is_causal=True)
         return out, pullback(np.ones_like(out))
 
+    inputs = persisted_inputs()
+    input_keys = {key for x in inputs for key in dict(x.__dask_graph__())}
     t0 = time.perf_counter()
-    graph = build()
+    graph = build(*inputs)
     graph_s = time.perf_counter() - t0
-    tasks = _graph_tasks(graph) - 2 * inputs  # the persisted inputs and their aliases
-    # Warm-up of both (imports, worker pools), then interleaved timed runs.
-    one_process()
+    tasks = _graph_tasks(graph) - len(input_keys)
 
-    def on_cluster():
+    def on_cluster(inputs: list) -> float:
+        """Seconds from building the graph to its results being on the workers."""
+        t0 = time.perf_counter()
         if gather:
-            client.compute(build(), sync=True)
+            client.compute(build(*inputs), sync=True)
         else:
-            wait(client.persist(build()))  # released when the futures go
+            wait(client.persist(build(*inputs)))  # released when the futures go
+        return time.perf_counter() - t0
 
-    on_cluster()
+    # Warm-up of both (imports, worker pools, Dask's per-task-name duration estimates),
+    # then interleaved timed runs.
+    one_process()
+    on_cluster(inputs)
     single, cluster = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         one_process()
         single.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        on_cluster()
-        cluster.append(time.perf_counter() - t0)
+        inputs = persisted_inputs()
+        cluster.append(on_cluster(inputs))
+    del inputs
     peak_mib = _peak_rss_mib(client)
     return {
         "case": case,

@@ -174,3 +174,41 @@ def test_array_api_section_names_what_auto_ran_and_times_the_floor():
         assert any(n.startswith("arrayattn auto (ran ") for n in names)
     text = sec.format_array_api(results, shape=(1, 2, 64, 8))
     assert "array-API floor" in text
+
+
+def _load_script(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_sanitize_script_runs_its_cases_on_numpy_and_flags_non_finite(capsys, monkeypatch):
+    """The sanitizer driver's calls run on NumPy (every option it passes is accepted), one
+    line per case; a NaN anywhere in an output or gradient makes it exit 1."""
+    import numpy as np
+
+    script = _load_script("gpu_sanitize")
+    assert script.main(["--xp", "numpy", "--small"]) == 0
+    out = capsys.readouterr().out
+    names = [name for name, _ in script.cases(small=True)]
+    for name in names:  # NumPy has no bfloat16
+        status = "skipped (no such dtype here)" if name.startswith("bfloat16") else "ok"
+        assert f"{name}: {status}\n" in out
+    assert out.endswith("0 case(s) not finite\n")
+
+    real_vjp = script.aa.vjp
+
+    def poisoned(*args, **kwargs):
+        (out, lse), pullback = real_vjp(*args, **kwargs)
+        out = out.copy()
+        out[..., 0, 0] = np.nan
+        return (out, lse), pullback
+
+    monkeypatch.setattr(script.aa, "vjp", poisoned)
+    assert script.main(["--xp", "numpy", "--small"]) == 1
+    assert "float32 E64 full: NOT FINITE" in capsys.readouterr().out

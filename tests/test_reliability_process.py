@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import arrayattn as aa
-from arrayattn.ops import _numpy_fast
+from arrayattn.ops import _fast_threads
 
 # The wide sweeps (hundreds of random examples, 1000-call loops) run only when asked for:
 # ARRAYATTN_WIDE_SWEEP=1. The default run (CI) keeps the fixed-seed subset.
@@ -296,9 +296,9 @@ def test_fast_path_pool_is_reused():
     """The pool is created once and kept (a smaller thread count reuses it)."""
     q, k, v = _pooled_inputs()
     SDPA(q, k, v, enable_gqa=True)
-    pool = _numpy_fast._POOL
+    pool = _fast_threads._POOL
     SDPA(q, k, v, enable_gqa=True)
-    assert _numpy_fast._POOL is pool or pool is None
+    assert _fast_threads._POOL is pool or pool is None
 
 
 def _all_calls(rng):

@@ -27,6 +27,8 @@ from .._backend import (
 from .dropout import normalize_seed
 from .masks import CAUSAL_ALIGNMENTS, Structure, parse_window
 
+Shape = tuple[int, ...]
+
 __all__ = ["AttentionSpec", "make_spec", "draw_seed"]
 
 
@@ -273,89 +275,11 @@ def make_spec(
         sinks=sinks,
         alibi_slopes=alibi_slopes,
     )
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        _check_floating(xp, name, x)
-        if x.ndim < 2:
-            raise ValueError(
-                f"{name} must have at least 2 dims (..., seq, head_dim), got shape {tuple(x.shape)}"
-            )
-    if key.dtype != query.dtype or value.dtype != query.dtype:
-        bad, dt = ("key", key.dtype) if key.dtype != query.dtype else ("value", value.dtype)
-        raise TypeError(
-            f"{bad} dtype {dt} differs from query dtype {query.dtype}; expected one dtype"
-        )
-
-    q_shape, k_shape, v_shape = (tuple(int(d) for d in x.shape) for x in (query, key, value))
+    q_shape, k_shape, v_shape = _check_qkv(xp, query, key, value)
     L, E = q_shape[-2:]
-    S, Ek = k_shape[-2:]
-    Sv, Ev = v_shape[-2:]
-    if Ek != E:
-        raise ValueError(
-            f"key head_dim {Ek} (shape {k_shape}) differs from query head_dim {E} (shape {q_shape})"
-        )
-    if Sv != S:
-        raise ValueError(f"value has {Sv} keys (shape {v_shape}) but key has {S} (shape {k_shape})")
-
-    ndim = max(len(q_shape), len(k_shape), len(v_shape), 3)
-
-    def pad(s: tuple[int, ...]) -> tuple[int, ...]:
-        return (1,) * (ndim - len(s)) + s
-
-    pq, pk, pv = pad(q_shape), pad(k_shape), pad(v_shape)
-    Hq = pq[-3]
-    try:
-        Hk = broadcast_shapes((pk[-3],), (pv[-3],))[0]
-    except ValueError:
-        raise ValueError(
-            f"key heads {pk[-3]} and value heads {pv[-3]} differ; expected equal"
-        ) from None
-    try:
-        lead = broadcast_shapes(pq[:-3], pk[:-3], pv[:-3])
-    except ValueError:
-        raise ValueError(
-            f"batch dims of query {q_shape}, key {k_shape} and value {v_shape} do not broadcast"
-        ) from None
-
-    if enable_gqa and Hk != Hq:
-        if Hq % Hk != 0:
-            raise ValueError(
-                f"query heads {Hq} must be a multiple of key/value heads {Hk} for GQA "
-                f"(Hq % Hkv == 0); got query {q_shape}, key {k_shape}"
-            )
-        G = Hq // Hk
-    else:
-        if Hk not in (1, Hq) and Hq != 1:
-            raise ValueError(
-                f"query has {Hq} heads but key/value have {Hk}; pass enable_gqa=True for "
-                f"grouped-query attention, or give equal head counts"
-            )
-        G = 1
-        Hq = max(Hq, Hk)  # plain broadcasting over the head axis, as matmul does
-    Hkv = Hk
-
-    mask_kind = None
-    mask_shape = None
-    if attn_mask is not None:
-        if xp.isdtype(attn_mask.dtype, "bool"):
-            mask_kind = "bool"
-        elif is_real_floating(xp, attn_mask.dtype):
-            mask_kind = "float"
-        else:
-            raise TypeError(
-                f"attn_mask must be bool (True = takes part) or a real floating additive "
-                f"bias, got dtype {attn_mask.dtype}"
-            )
-        mask_shape = tuple(int(d) for d in attn_mask.shape)
-        target = lead + (Hq, L, S)
-        try:
-            ok = broadcast_shapes(mask_shape, target) == target
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError(
-                f"attn_mask of shape {mask_shape} does not broadcast to the attention "
-                f"weights' shape {target} (batch..., heads, L, S)"
-            )
+    S, Ev = v_shape[-2:]
+    lead, Hq, Hkv, G = _heads(q_shape, k_shape, v_shape, enable_gqa)
+    mask_kind, mask_shape = _mask(xp, attn_mask, lead + (Hq, L, S))
 
     # NumPy's bool scalar (type name "bool" in NumPy 2, "bool_" before) is no Python int.
     if not isinstance(is_causal, (bool, int)) and type(is_causal).__name__ not in ("bool", "bool_"):
@@ -363,32 +287,9 @@ def make_spec(
     if causal_align not in CAUSAL_ALIGNMENTS:
         raise ValueError(f"causal_align must be one of {CAUSAL_ALIGNMENTS}, got {causal_align!r}")
     window_pair = parse_window(window)
-
-    if scale is None:
-        scale_f = 1.0 / math.sqrt(E) if E > 0 else 1.0
-    else:
-        scale_f = _as_float("scale", scale)
-        if not math.isfinite(scale_f):
-            raise ValueError(f"scale must be finite, got {scale_f}")
-
-    softcap_f = None
-    if softcap is not None:
-        softcap_f = _as_float("softcap", softcap)
-        if not (math.isfinite(softcap_f) and softcap_f > 0):
-            raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap_f}")
-        # softcap = 0 is FlashAttention's "off"; we ask for None to keep one spelling.
-
-    p = _as_float("dropout_p", dropout_p)
-    if not (0.0 <= p < 1.0):
-        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
-    seed_n = None
-    if p > 0.0:
-        seed_n = draw_seed() if seed is None else normalize_seed(seed)
-    elif seed is not None:
-        normalize_seed(seed)  # still validate the type
+    scale_f, softcap_f, p, seed_n = _scalars(E, scale, softcap, dropout_p, seed)
 
     structure = Structure.build(L, S, bool(is_causal), causal_align, window_pair)
-    device = device_of(query)
     q_len_g = _lengths_g(xp, "q_lengths", q_lengths, lead, L)
     kv_len_g = _lengths_g(xp, "kv_lengths", kv_lengths, lead, S)
     offset_g = None
@@ -398,12 +299,10 @@ def make_spec(
         q_len = q_len_g if q_len_g is not None else L
         offset_g = kv_len - q_len
     cdtype = compute_dtype(xp, query.dtype)
-    sinks_g = _per_head_g(xp, "sinks", sinks, lead, Hq, G, cdtype)
-    alibi_g = _per_head_g(xp, "alibi_slopes", alibi_slopes, lead, Hq, G, cdtype)
 
     return AttentionSpec(
         xp=xp,
-        device=device,
+        device=device_of(query),
         dtype=query.dtype,
         cdtype=cdtype,
         q_shape=q_shape,
@@ -432,10 +331,131 @@ def make_spec(
         offset_g=offset_g,
         sinks=sinks,
         alibi_slopes=alibi_slopes,
-        sinks_g=sinks_g,
-        alibi_g=alibi_g,
+        sinks_g=_per_head_g(xp, "sinks", sinks, lead, Hq, G, cdtype),
+        alibi_g=_per_head_g(xp, "alibi_slopes", alibi_slopes, lead, Hq, G, cdtype),
         autograd=records_gradients(query, key, value, attn_mask, sinks, alibi_slopes),
     )
+
+
+def _check_qkv(xp: Namespace, query: Array, key: Array, value: Array) -> tuple[Shape, Shape, Shape]:
+    """Query, key and value shapes, once their dtypes, ranks, head dims and key counts
+    agree."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        _check_floating(xp, name, x)
+        if x.ndim < 2:
+            raise ValueError(
+                f"{name} must have at least 2 dims (..., seq, head_dim), got shape {tuple(x.shape)}"
+            )
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        bad, dt = ("key", key.dtype) if key.dtype != query.dtype else ("value", value.dtype)
+        raise TypeError(
+            f"{bad} dtype {dt} differs from query dtype {query.dtype}; expected one dtype"
+        )
+    q_shape, k_shape, v_shape = (tuple(int(d) for d in x.shape) for x in (query, key, value))
+    E, Ek = q_shape[-1], k_shape[-1]
+    S, Sv = k_shape[-2], v_shape[-2]
+    if Ek != E:
+        raise ValueError(
+            f"key head_dim {Ek} (shape {k_shape}) differs from query head_dim {E} (shape {q_shape})"
+        )
+    if Sv != S:
+        raise ValueError(f"value has {Sv} keys (shape {v_shape}) but key has {S} (shape {k_shape})")
+    return q_shape, k_shape, v_shape
+
+
+def _heads(q_shape: Shape, k_shape: Shape, v_shape: Shape, enable_gqa: bool) -> tuple:
+    """``(lead, Hq, Hkv, G)``: broadcast batch dims, query and KV heads, GQA group size.
+    Shapes of fewer than 3 dims have one head."""
+    ndim = max(len(q_shape), len(k_shape), len(v_shape), 3)
+
+    def pad(s: Shape) -> Shape:
+        return (1,) * (ndim - len(s)) + s
+
+    pq, pk, pv = pad(q_shape), pad(k_shape), pad(v_shape)
+    Hq = pq[-3]
+    try:
+        Hk = broadcast_shapes((pk[-3],), (pv[-3],))[0]
+    except ValueError:
+        raise ValueError(
+            f"key heads {pk[-3]} and value heads {pv[-3]} differ; expected equal"
+        ) from None
+    try:
+        lead = broadcast_shapes(pq[:-3], pk[:-3], pv[:-3])
+    except ValueError:
+        raise ValueError(
+            f"batch dims of query {q_shape}, key {k_shape} and value {v_shape} do not broadcast"
+        ) from None
+
+    if enable_gqa and Hk != Hq:
+        if Hq % Hk != 0:
+            raise ValueError(
+                f"query heads {Hq} must be a multiple of key/value heads {Hk} for GQA "
+                f"(Hq % Hkv == 0); got query {q_shape}, key {k_shape}"
+            )
+        return lead, Hq, Hk, Hq // Hk
+    if Hk not in (1, Hq) and Hq != 1:
+        raise ValueError(
+            f"query has {Hq} heads but key/value have {Hk}; pass enable_gqa=True for "
+            f"grouped-query attention, or give equal head counts"
+        )
+    return lead, max(Hq, Hk), Hk, 1  # plain broadcasting over the head axis, as matmul does
+
+
+def _mask(xp: Namespace, attn_mask: Array | None, target: Shape) -> tuple[str | None, Shape | None]:
+    """``(kind, shape)`` of the mask: ``"bool"`` or ``"float"`` (``None`` without one),
+    once its shape broadcasts to the weights' ``target`` (batch..., heads, L, S)."""
+    if attn_mask is None:
+        return None, None
+    if xp.isdtype(attn_mask.dtype, "bool"):
+        kind = "bool"
+    elif is_real_floating(xp, attn_mask.dtype):
+        kind = "float"
+    else:
+        raise TypeError(
+            f"attn_mask must be bool (True = takes part) or a real floating additive "
+            f"bias, got dtype {attn_mask.dtype}"
+        )
+    shape = tuple(int(d) for d in attn_mask.shape)
+    try:
+        ok = broadcast_shapes(shape, target) == target
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"attn_mask of shape {shape} does not broadcast to the attention "
+            f"weights' shape {target} (batch..., heads, L, S)"
+        )
+    return kind, shape
+
+
+def _scalars(
+    E: int, scale: Any, softcap: Any, dropout_p: Any, seed: Any
+) -> tuple[float, float | None, float, int | None]:
+    """``(scale, softcap, dropout_p, seed)`` checked and normalised: the scale defaults to
+    ``1/sqrt(E)``; a seed is drawn when dropout is on and none was given."""
+    if scale is None:
+        scale_f = 1.0 / math.sqrt(E) if E > 0 else 1.0
+    else:
+        scale_f = _as_float("scale", scale)
+        if not math.isfinite(scale_f):
+            raise ValueError(f"scale must be finite, got {scale_f}")
+
+    softcap_f = None
+    if softcap is not None:
+        softcap_f = _as_float("softcap", softcap)
+        if not (math.isfinite(softcap_f) and softcap_f > 0):
+            raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap_f}")
+        # softcap = 0 is FlashAttention's "off"; we ask for None to keep one spelling.
+
+    p = _as_float("dropout_p", dropout_p)
+    if not (0.0 <= p < 1.0):
+        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
+    seed_n = None
+    if p > 0.0:
+        seed_n = draw_seed() if seed is None else normalize_seed(seed)
+    elif seed is not None:
+        normalize_seed(seed)  # still validate the type
+    return scale_f, softcap_f, p, seed_n
 
 
 def _per_head_g(

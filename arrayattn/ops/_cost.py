@@ -122,7 +122,7 @@ COSTS[("fast", "array")] = dataclasses.replace(COSTS[("fast", "numpy")], call=0.
 
 
 def _threads() -> int:
-    from ._numpy_fast import num_threads
+    from ._fast_threads import num_threads
 
     try:
         return num_threads()

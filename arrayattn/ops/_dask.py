@@ -18,7 +18,7 @@ builds the graph, and the graph has one task per block, not per element:
   saved output and LSE (``P = exp(S - LSE)``, ``D = rowsum(dO * O)``), and sums each
   input block's gradient over the tasks that read it (dK/dV over query blocks, dQ over
   key blocks, over batch chunks for broadcast keys) in a tree. No task holds ``L x S``.
-- Each task runs its chunk's path on one thread (``_numpy_fast.one_thread``): Dask
+- Each task runs its chunk's path on one thread (``_fast_threads.one_thread``): Dask
   supplies the parallelism, one task per worker thread.
 - ``sinks`` join each row once, merged into the row block's state after the key blocks;
   ``alibi_slopes`` are cut per head chunk and each block applies them on its own diagonal.
@@ -223,7 +223,7 @@ def _in_distributed_worker() -> bool:
 
 
 def _forward_block(blk: _Block, q, k, v, mask, q_len, kv_len, alibi=None):
-    from ._numpy_fast import one_thread
+    from ._fast_threads import one_thread
     from .attention import _select
 
     _keep_freed_memory()
@@ -357,7 +357,7 @@ def _renormalise_forward(plan, dsk, blk_name, li, hi, i, root, leaves):
 def _backward_block(
     blk: _Block, q, k, v, mask, out, lse, d_out, d_lse, q_len, kv_len, factor=None, alibi=None
 ):
-    from ._numpy_fast import one_thread
+    from ._fast_threads import one_thread
     from .attention import _select
 
     _keep_freed_memory()

@@ -26,6 +26,7 @@ import numpy as np
 
 from . import _numpy_fast as _nf
 from ._attention_spec import AttentionSpec
+from ._fast_threads import _fork_safe, _run_units, num_threads
 from .dropout import dropout_keep
 
 __all__ = ["forward", "tile_plan", "DECODE_BLOCK_ELEMENTS", "MIN_SPLIT_KEYS"]
@@ -90,7 +91,7 @@ class _State:
         self.ones = np.ones((keys,), cd)
 
 
-@_nf._fork_safe
+@_fork_safe
 def forward(
     spec: AttentionSpec,
     query: np.ndarray,
@@ -137,7 +138,7 @@ def forward(
 
     work = nb * spec.Hq * spec.L * spec.S * (spec.E + spec.Ev)
     serial = work < _nf._SERIAL_WORK * 4  # about 0.2 ms of products: the pool costs more
-    threads = _nf.num_threads()
+    threads = num_threads()
     splits = 1
     if not serial and threads > 1 and len(tiles) < threads:
         longest = max(hi - lo for *_, lo, hi in tiles)
@@ -189,7 +190,7 @@ def forward(
         )
 
     with np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"):
-        _nf._run_units(units, make_state, run, serial)
+        _run_units(units, make_state, run, serial)
         if splits == 1:
             out, lse = outs[0], lses[0]
         else:

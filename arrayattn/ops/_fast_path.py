@@ -1,9 +1,9 @@
-"""The registered ``"fast"`` implementation: the NumPy fast path (``_numpy_fast`` for the
-backward and the registration's ``declines``, ``_fast_forward`` for the forward) on NumPy
-arrays, and on PyTorch CPU tensors through zero-copy NumPy views of them (the backend
-layer's :func:`~arrayattn._backend.numpy_bridge`). The call's spec is rebuilt over the
-views (same options), the NumPy code runs, and the results come back as tensors over the
-NumPy results' memory.
+"""The registered ``"fast"`` implementation: the NumPy fast path (``_fast_forward``,
+``_fast_backward``, and ``_numpy_fast`` for what they share and the registration's
+``declines``) on NumPy arrays, and on PyTorch CPU tensors through zero-copy NumPy views of
+them (the backend layer's :func:`~arrayattn._backend.numpy_bridge`). The call's spec is
+rebuilt over the views (same options), the NumPy code runs, and the results come back as
+tensors over the NumPy results' memory.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import numpy as np
 
 from .._backend import Array, NumpyBridge, is_numpy, numpy_bridge, resolve_namespace
 from ._attention_spec import AttentionSpec
-from ._numpy_fast import backward, forward
+from ._fast_backward import backward
+from ._fast_forward import forward
 
 __all__ = ["FastPath", "numpy_spec"]
 
@@ -81,7 +82,7 @@ class FastPath:
         d_out: Array | None,
         d_lse: Array | None,
     ) -> tuple[Array | None, ...]:
-        """``(d_query, d_key, d_value, d_mask)`` as :func:`arrayattn.ops._numpy_fast.backward`,
+        """``(d_query, d_key, d_value, d_mask)`` as :func:`arrayattn.ops._fast_backward.backward`,
         in the arguments' library."""
         if is_numpy(spec.xp):
             return backward(spec, query, key, value, attn_mask, out, lse, d_out, d_lse)

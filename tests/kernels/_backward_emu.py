@@ -95,7 +95,10 @@ def compile_library(
         (
             " ".join(flags)
             + text
-            + (HERE / "backward_emulator.h").read_text()
+            + "".join(
+                (HERE / h).read_text()
+                for h in ("backward_emulator.h", "emulator_warp.h", "emulator_barrier.h")
+            )
             + (kernels / "attn_bwd.cu").read_text()
             + (kernels / "common.cuh").read_text()
         ).encode()

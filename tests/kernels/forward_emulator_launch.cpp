@@ -31,15 +31,6 @@ std::string aa_signature(void (*)(A...)) {
     return std::string{aa_tag<A>()...};
 }
 
-template <typename... A, std::size_t... I>
-void aa_call_impl(void (*f)(A...), void** params, std::index_sequence<I...>) {
-    f(*static_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(params[I])...);
-}
-template <typename... A>
-void aa_call(void (*f)(A...), void** params) {
-    aa_call_impl(f, params, std::index_sequence_for<A...>{});
-}
-
 static long long rd_i64(std::FILE* f) {
     long long x;
     if (std::fread(&x, 8, 1, f) != 1) std::exit(3);
@@ -115,7 +106,7 @@ int main(int argc, char** argv) {
                      smem, (int)Cfg::NT, (int)Cfg::SMEM);
         return 7;
     }
-    aa_emu_launch(grid, threads, (size_t)smem, [&] { aa_call(fn, params.data()); });
+    aa_emu_launch(grid, threads, (size_t)smem, [&] { aa_emu_call(fn, params.data()); });
 
     std::FILE* g = std::fopen(argv[2], "wb");
     if (!g) return 2;
