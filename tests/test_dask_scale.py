@@ -388,3 +388,84 @@ def test_sinks_and_alibi_equal_numpy(chunking, option):
     got = dask.compute(*lazy, scheduler="sync")
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+
+
+def _random_chunks(draw, st, n: int) -> tuple[int, ...]:
+    """Chunk sizes summing to ``n``, uneven and possibly 1."""
+    chunks, left = [], n
+    while left > 0:
+        c = draw(st.integers(1, max(1, left)))
+        chunks.append(c)
+        left -= c
+    return tuple(chunks)
+
+
+def test_random_chunkings_and_options_equal_numpy() -> None:
+    """Hypothesis: every array of the call (query, key, value, mask, lengths, sinks,
+    slopes) chunked at random along every axis, independently of the others (so the
+    rechunking rule runs), with random options; outputs, LSE and gradients equal the
+    one-process NumPy call."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=25, deadline=None, database=None)
+    @hypothesis.given(st.data())
+    def check(data) -> None:
+        draw = data.draw
+        b, hkv, g = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2]))
+        hq, l_, s_, e = hkv * g, draw(st.integers(1, 17)), draw(st.integers(1, 17)), 4
+        seed = draw(st.integers(0, 2**16))
+        r = np.random.default_rng(seed)
+        q = r.standard_normal((b, hq, l_, e))
+        k, v = r.standard_normal((b, hkv, s_, e)), r.standard_normal((b, hkv, s_, e))
+        options: dict[str, Any] = {"enable_gqa": g > 1}
+        if draw(st.booleans()):
+            options["is_causal"] = True
+        options["causal_align"] = draw(st.sampled_from(["top_left", "bottom_right"]))
+        if draw(st.booleans()):
+            options["window"] = (draw(st.integers(-1, 5)), draw(st.integers(-1, 5)))
+        if draw(st.booleans()):
+            options["softcap"] = 4.0
+        mask_kind = draw(st.sampled_from([None, "bool", "float"]))
+        if mask_kind == "bool":
+            options["attn_mask"] = r.random((b, 1, l_, s_)) > 0.3
+        elif mask_kind == "float":
+            bias = r.standard_normal((1, hq, l_, s_))
+            options["attn_mask"] = np.where(r.random(bias.shape) > 0.3, bias, -np.inf)
+        if draw(st.booleans()):
+            options["q_lengths"] = r.integers(0, l_ + 2, size=b)
+            options["kv_lengths"] = r.integers(0, s_ + 2, size=b)
+        if draw(st.booleans()):
+            options.update(dropout_p=0.3, seed=seed)
+        if draw(st.booleans()):
+            options["sinks"] = r.standard_normal(hq)
+        if draw(st.booleans()):
+            options["alibi_slopes"] = r.random(hq)
+
+        def lazy(x: np.ndarray) -> Any:
+            return da.from_array(x, chunks=tuple(_random_chunks(draw, st, n) for n in x.shape))
+
+        lazy_options = {
+            name: lazy(value) if isinstance(value, np.ndarray) else value
+            for name, value in options.items()
+        }
+        d_out = r.standard_normal((b, hq, l_, e))
+        d_lse = r.standard_normal((b, hq, l_))
+        (out, lse), pullback = aa.vjp(aa.scaled_dot_product_attention, q, k, v,
+                                      return_lse=True, **options)  # fmt: skip
+        want = [out, lse, *pullback((d_out, d_lse))]
+        (out_d, lse_d), pullback_d = aa.vjp(aa.scaled_dot_product_attention, lazy(q), lazy(k),
+                                            lazy(v), return_lse=True, **lazy_options)  # fmt: skip
+        got = [out_d, lse_d, *pullback_d((da.from_array(d_out), da.from_array(d_lse)))]
+        assert len(got) == len(want)
+        for w, x in zip(want, got, strict=True):
+            if isinstance(w, dict):  # the keyword gradients (sinks)
+                assert set(w) == set(x)
+                for name in w:
+                    np.testing.assert_allclose(np.asarray(x[name]), w[name], rtol=1e-9, atol=1e-10)
+            elif w is None:
+                assert x is None
+            else:
+                np.testing.assert_allclose(np.asarray(x), w, rtol=1e-9, atol=1e-10)
+
+    check()
