@@ -176,6 +176,11 @@ class AttentionSpec:
     def batch_size(self) -> int:
         return prod(self.lead)
 
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of the compute dtype (8 for float64, else 4)."""
+        return 8 if self.cdtype == self.xp.float64 else 4
+
     # -- layout helpers -------------------------------------------------------------
     def _pad(self, x: Array, shape: tuple[int, ...]) -> Array:
         full = len(self.lead) + 3

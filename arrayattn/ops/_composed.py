@@ -493,8 +493,7 @@ def row_blocks(spec: AttentionSpec) -> list[tuple[int, int, int, int]]:
     L, S = spec.L, spec.S
     if L == 0:  # nothing to compute (and dask cannot reduce a zero-size block)
         return [(0, 0, 0, 0)]
-    itemsize = 8 if spec.cdtype == spec.xp.float64 else 4
-    per_row = spec.batch_size * spec.Hq * max(S, 1) * itemsize
+    per_row = spec.batch_size * spec.Hq * max(S, 1) * spec.itemsize
     n = max(1, -(-(L * per_row) // ROW_BLOCK_BYTES))
     if not spec.structure.is_trivial:
         n = max(n, min(STRUCTURED_ROW_BLOCKS, L // MIN_BLOCK_ROWS))

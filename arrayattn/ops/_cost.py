@@ -147,9 +147,8 @@ def composed_block_bytes(spec: AttentionSpec) -> int:
     """Bytes of the composed path's largest row-block score matrix (compute dtype)."""
     from ._composed import row_blocks
 
-    itemsize = 8 if spec.cdtype == spec.xp.float64 else 4
     rows_keys = max(((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in row_blocks(spec)), default=0)
-    return rows_keys * spec.batch_size * spec.Hq * itemsize
+    return rows_keys * spec.batch_size * spec.Hq * spec.itemsize
 
 
 def features(spec: AttentionSpec, name: str, threads: int) -> tuple[int, int, int, int]:
@@ -212,8 +211,7 @@ def estimate(
     elem_div = threads if c.elem_threaded else 1
     skinny = 0.0
     if c.skinny and spec.G * spec.L <= SKINNY_ROWS:
-        itemsize = 8 if spec.cdtype == spec.xp.float64 else 4
-        kv_bytes = spec.batch_size * spec.Hkv * spec.S * (spec.E + spec.Ev) * itemsize
+        kv_bytes = spec.batch_size * spec.Hkv * spec.S * (spec.E + spec.Ev) * spec.itemsize
         skinny = c.skinny * macs * min(1.0, kv_bytes / CACHE_BYTES)
     return (
         c.call

@@ -76,8 +76,7 @@ single query row over a very long key range, for example."""
 def score_matrix_bytes(spec: AttentionSpec) -> int:
     """Bytes of one ``L x S`` score matrix per (batch, head) in the compute dtype: what
     the composed path allocates (several times, for scores, probabilities, gradients)."""
-    itemsize = 8 if spec.cdtype == spec.xp.float64 else 4
-    return spec.batch_size * spec.Hq * spec.L * spec.S * itemsize
+    return spec.batch_size * spec.Hq * spec.L * spec.S * spec.itemsize
 
 
 def block_sizes(spec: AttentionSpec, backward: bool = False) -> tuple[int, int]:
@@ -97,8 +96,7 @@ def block_sizes(spec: AttentionSpec, backward: bool = False) -> tuple[int, int]:
         >>> block_sizes(spec)
         (256, 512)
     """
-    itemsize = 8 if spec.cdtype == spec.xp.float64 else 4
-    per_pair = max(1, spec.batch_size * spec.Hq) * itemsize
+    per_pair = max(1, spec.batch_size * spec.Hq) * spec.itemsize
     # At most 1/32 of the whole score matrix: this path exists to bound memory, and the
     # backward holds several block-sized temporaries at once.
     share = 2 if backward else 1
