@@ -4,6 +4,7 @@ sequence equal the one-process NumPy call, stay lazy, have O(blocks) tasks, and 
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -391,81 +392,85 @@ def test_sinks_and_alibi_equal_numpy(chunking, option):
 
 
 def _random_chunks(draw, st, n: int) -> tuple[int, ...]:
-    """Chunk sizes summing to ``n``, uneven and possibly 1."""
+    """Chunk sizes summing to ``n``, uneven and possibly 1 (``(0,)`` for an empty axis)."""
     chunks, left = [], n
     while left > 0:
-        c = draw(st.integers(1, max(1, left)))
+        c = draw(st.integers(1, left))
         chunks.append(c)
         left -= c
-    return tuple(chunks)
+    return tuple(chunks) or (0,)
 
 
-def test_random_chunkings_and_options_equal_numpy() -> None:
-    """Hypothesis: every array of the call (query, key, value, mask, lengths, sinks,
-    slopes) chunked at random along every axis, independently of the others (so the
-    rechunking rule runs), with random options; outputs, LSE and gradients equal the
+def test_random_calls_chunked_at_random_equal_numpy() -> None:
+    """Hypothesis: whole attention calls drawn by ``arrayattn.testing.attention_calls``
+    (every feature: masks with fully masked rows, both alignments, windows, softcap,
+    GQA, broadcast leading dims, lengths, dropout, sinks, ALiBi, L or S of 0 and 1,
+    adversarial values), every array chunked at random along every axis independently of
+    the others (so the rechunking rule runs); outputs, LSE and gradients equal the
     one-process NumPy call."""
     hypothesis = pytest.importorskip("hypothesis")
     st = hypothesis.strategies
+    from arrayattn.testing import attention_calls, library_features
 
-    @hypothesis.settings(max_examples=25, deadline=None, database=None)
-    @hypothesis.given(st.data())
-    def check(data) -> None:
-        draw = data.draw
-        b, hkv, g = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2]))
-        hq, l_, s_, e = hkv * g, draw(st.integers(1, 17)), draw(st.integers(1, 17)), 4
-        seed = draw(st.integers(0, 2**16))
-        r = np.random.default_rng(seed)
-        q = r.standard_normal((b, hq, l_, e))
-        k, v = r.standard_normal((b, hkv, s_, e)), r.standard_normal((b, hkv, s_, e))
-        options: dict[str, Any] = {"enable_gqa": g > 1}
-        if draw(st.booleans()):
-            options["is_causal"] = True
-        options["causal_align"] = draw(st.sampled_from(["top_left", "bottom_right"]))
-        if draw(st.booleans()):
-            options["window"] = (draw(st.integers(-1, 5)), draw(st.integers(-1, 5)))
-        if draw(st.booleans()):
-            options["softcap"] = 4.0
-        mask_kind = draw(st.sampled_from([None, "bool", "float"]))
-        if mask_kind == "bool":
-            options["attn_mask"] = r.random((b, 1, l_, s_)) > 0.3
-        elif mask_kind == "float":
-            bias = r.standard_normal((1, hq, l_, s_))
-            options["attn_mask"] = np.where(r.random(bias.shape) > 0.3, bias, -np.inf)
-        if draw(st.booleans()):
-            options["q_lengths"] = r.integers(0, l_ + 2, size=b)
-            options["kv_lengths"] = r.integers(0, s_ + 2, size=b)
-        if draw(st.booleans()):
-            options.update(dropout_p=0.3, seed=seed)
-        if draw(st.booleans()):
-            options["sinks"] = r.standard_normal(hq)
-        if draw(st.booleans()):
-            options["alibi_slopes"] = r.random(hq)
+    features = set(library_features()) - {"low_precision"}  # float64 only: tight tolerances
+    calls = attention_calls(xp="numpy", dtypes=("float64",), max_len=12, features=features)
 
-        def lazy(x: np.ndarray) -> Any:
-            return da.from_array(x, chunks=tuple(_random_chunks(draw, st, n) for n in x.shape))
+    # 30 examples in CI (~4 s); ARRAYATTN_WIDE_SWEEP=1 draws 400 (~1 min).
+    examples = 400 if os.environ.get("ARRAYATTN_WIDE_SWEEP") else 30
 
-        lazy_options = {
-            name: lazy(value) if isinstance(value, np.ndarray) else value
-            for name, value in options.items()
-        }
-        d_out = r.standard_normal((b, hq, l_, e))
-        d_lse = r.standard_normal((b, hq, l_))
-        (out, lse), pullback = aa.vjp(aa.scaled_dot_product_attention, q, k, v,
+    @hypothesis.settings(max_examples=examples, deadline=None, database=None)
+    @hypothesis.given(calls, st.data())
+    def check(call, data) -> None:
+        def lazy(x: Any) -> Any:
+            if not isinstance(x, np.ndarray):
+                return x
+            chunks = tuple(_random_chunks(data.draw, st, n) for n in x.shape)
+            return da.from_array(x, chunks=chunks)
+
+        q, k, v, mask = call.arrays("numpy")
+        options = call.kwargs("numpy")
+        r = np.random.default_rng(0)
+        (out, lse), pullback = aa.vjp(aa.scaled_dot_product_attention, q, k, v, mask,
                                       return_lse=True, **options)  # fmt: skip
+        d_out, d_lse = r.standard_normal(out.shape), r.standard_normal(lse.shape)
         want = [out, lse, *pullback((d_out, d_lse))]
+        lazy_options = {name: lazy(value) for name, value in options.items()}
         (out_d, lse_d), pullback_d = aa.vjp(aa.scaled_dot_product_attention, lazy(q), lazy(k),
-                                            lazy(v), return_lse=True, **lazy_options)  # fmt: skip
+                                            lazy(v), lazy(mask), return_lse=True,
+                                            **lazy_options)  # fmt: skip
         got = [out_d, lse_d, *pullback_d((da.from_array(d_out), da.from_array(d_lse)))]
-        assert len(got) == len(want)
+        assert len(got) == len(want), call.describe()
         for w, x in zip(want, got, strict=True):
             if isinstance(w, dict):  # the keyword gradients (sinks)
-                assert set(w) == set(x)
-                for name in w:
-                    np.testing.assert_allclose(np.asarray(x[name]), w[name], rtol=1e-9, atol=1e-10)
+                assert set(w) == set(x), call.describe()
+                pairs = [(w[name], x[name]) for name in w]
             elif w is None:
-                assert x is None
+                assert x is None, call.describe()
+                continue
             else:
-                np.testing.assert_allclose(np.asarray(x), w, rtol=1e-9, atol=1e-10)
+                pairs = [(w, x)]
+            for a, b in pairs:
+                np.testing.assert_allclose(np.asarray(b), a, rtol=1e-9, atol=1e-10,
+                                           err_msg=call.describe())  # fmt: skip
 
     check()
+
+
+@pytest.mark.parametrize("L_, S_", [(0, 0), (0, 3), (3, 0)])
+def test_empty_sequences_with_a_mask_equal_numpy(L_: int, S_: int) -> None:
+    """Regression: an empty query or key axis with a mask broadcast over batch and heads
+    (the mask's empty axis kept its own ``(0,)`` chunks, not ``(1,)``)."""
+    r = np.random.default_rng(3)
+    q, k, v = (
+        r.standard_normal((1, 2, L_, 4)),
+        r.standard_normal((1, 1, S_, 4)),
+        r.standard_normal((1, 1, S_, 4)),
+    )
+    mask = r.random((L_, S_)) > 0.5
+    want = aa.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, return_lse=True)
+    got = aa.scaled_dot_product_attention(
+        *(da.from_array(x) for x in (q, k, v, mask)), enable_gqa=True, return_lse=True
+    )
+    for w, g in zip(want, got, strict=True):
+        assert g.shape == w.shape
+        np.testing.assert_array_equal(np.asarray(g), w)

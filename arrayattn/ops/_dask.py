@@ -414,6 +414,12 @@ def _pad(x: Array | None, nd: int) -> Array | None:
     return x[(None,) * (nd - x.ndim) + (Ellipsis,)]
 
 
+def _own(size: int, chunks: tuple[int, ...]) -> tuple[int, ...]:
+    """An operand axis's chunks: ``(1,)`` where it broadcasts (size 1), else the call's
+    ``chunks`` for that axis (``(0,)`` for an empty one)."""
+    return (1,) if size == 1 else tuple(chunks)
+
+
 def _round_to_groups(chunks: tuple[int, ...], g: int) -> tuple[int, ...]:
     """Head chunks whose boundaries are moved up to multiples of ``g`` (GQA groups)."""
     bounds, total = [], 0
@@ -575,8 +581,8 @@ def _plan(spec: AttentionSpec, query, key, value, attn_mask, tag: str) -> _Plan:
     col_chunks = tuple(k.chunks[-2])
 
     def target(x, heads, seq, width):
-        chunks = [lead_chunks[a] if x.shape[a] > 1 else (1,) for a in range(len(lead))]
-        chunks.append(heads if x.shape[-3] > 1 else (1,))
+        chunks = [_own(x.shape[a], lead_chunks[a]) for a in range(len(lead))]
+        chunks.append(_own(x.shape[-3], heads))
         chunks.append(seq)
         chunks.append(width if width is not None else (int(x.shape[-1]),))
         return tuple(chunks)
@@ -589,10 +595,10 @@ def _plan(spec: AttentionSpec, query, key, value, attn_mask, tag: str) -> _Plan:
     k = rechunk(k, target(k, kv_head_chunks, col_chunks, None))
     v = rechunk(v, target(v, kv_head_chunks, col_chunks, None))
     if mask is not None:
-        mc = [lead_chunks[a] if mask.shape[a] > 1 else (1,) for a in range(len(lead))]
-        mc.append(head_chunks if mask.shape[-3] > 1 else (1,))
-        mc.append(row_chunks if mask.shape[-2] > 1 else (1,))
-        mc.append(col_chunks if mask.shape[-1] > 1 else (1,))
+        mc = [_own(mask.shape[a], lead_chunks[a]) for a in range(len(lead))]
+        mc.append(_own(mask.shape[-3], head_chunks))
+        mc.append(_own(mask.shape[-2], row_chunks))
+        mc.append(_own(mask.shape[-1], col_chunks))
         mask = rechunk(mask, mc)
     q_len = kv_len = None
     if spec.q_lengths is not None:
@@ -603,8 +609,8 @@ def _plan(spec: AttentionSpec, query, key, value, attn_mask, tag: str) -> _Plan:
     for x in (getattr(spec, "sinks", None), getattr(spec, "alibi_slopes", None)):
         if x is not None:
             x = _pad(x, len(lead) + 1)
-            hc = [lead_chunks[a] if x.shape[a] > 1 else (1,) for a in range(len(lead))]
-            x = rechunk(x, hc + [head_chunks if x.shape[-1] > 1 else (1,)])
+            hc = [_own(x.shape[a], lead_chunks[a]) for a in range(len(lead))]
+            x = rechunk(x, hc + [_own(x.shape[-1], head_chunks)])
         per_head.append(x)
     st = spec.structure
     call = _Call(
