@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 from typing import Any
 
@@ -222,11 +222,32 @@ def _in_distributed_worker() -> bool:
     return True
 
 
+def _in_compute_dtype(*arrays):
+    """float16/bfloat16 operands in their compute dtype (float32), exactly: a block whose
+    results are partial (merged over key blocks, or summed into a gradient) then returns
+    them in float32, and the input dtype's rounding happens once, in the final merge or
+    sum, as in the one-process call (FlashAttention keeps its split-KV partial outputs and
+    its dQ accumulator in float32 too). Other arrays (float32/float64, bool masks, None)
+    are returned as they are."""
+    from .._backend import compute_dtype, is_real_floating
+
+    out = []
+    for x in arrays:
+        if x is not None:
+            xp = _namespace(x)
+            if is_real_floating(xp, x.dtype) and compute_dtype(xp, x.dtype) != x.dtype:
+                x = xp.astype(x, compute_dtype(xp, x.dtype))
+        out.append(x)
+    return out
+
+
 def _forward_block(blk: _Block, q, k, v, mask, q_len, kv_len, alibi=None):
     from ._fast_threads import one_thread
     from .attention import _select
 
     _keep_freed_memory()
+    if blk.partial_keys:  # partial results: kept in the compute dtype until the merge
+        q, k, v, mask = _in_compute_dtype(q, k, v, mask)
     spec = blk.spec(q, k, v, mask, q_len, kv_len, alibi)
     with one_thread():  # Dask runs a task per core: no pool inside a task
         return _select(spec, "auto").forward(spec, q, k, v, mask)
@@ -262,6 +283,12 @@ def _merge(*states):
 
 def _pick(i: int, state):
     return state[i]
+
+
+def _output(state, dtype):
+    """The merged state's output in the call's dtype (partials merge in float32)."""
+    out = state[0]
+    return out if out.dtype == dtype else _namespace(out).astype(out, dtype)
 
 
 def _row_total_block(blk: _Block, q, k, mask, lse, q_len, kv_len, alibi=None):
@@ -370,6 +397,8 @@ def _backward_block(
         if d_lse is not None:
             d_lse = d_lse * xp.astype(xp.reshape(factor, tuple(d_lse.shape)), d_lse.dtype)
 
+    # Gradients are summed over blocks: kept in the compute dtype until the final sum.
+    q, k, v, mask, out, d_out = _in_compute_dtype(q, k, v, mask, out, d_out)
     spec = blk.spec(q, k, v, mask, q_len, kv_len, alibi)
     lse = _namespace(lse).reshape(lse, spec.lse_shape)
     with one_thread():
@@ -378,9 +407,12 @@ def _backward_block(
 
 @dataclass(frozen=True)
 class _Picks:
-    """Which element of each part to sum (``None``: the part is an array already)."""
+    """Which element of each part to sum (``None``: the part is an array already), and the
+    dtype of the result (``None``: the parts' own; the final sum of a gradient chunk casts
+    its float32 partials to the input's dtype)."""
 
     index: tuple[int | None, ...]
+    dtype: Any = None
 
 
 @dataclass(frozen=True)
@@ -397,7 +429,8 @@ def _sum_parts(picks: _Picks, *parts):
     total = xp.astype(arrays[0], acc_dtype)
     for a in arrays[1:]:
         total = total + xp.astype(a, acc_dtype)
-    return total if len(arrays) == 1 else xp.astype(total, dtype)
+    dtype = dtype if picks.dtype is None else picks.dtype
+    return total if total.dtype == dtype else xp.astype(total, dtype)
 
 
 def _zeros_like(x):
@@ -742,7 +775,7 @@ def forward(
                 sunk = (blk_name + "-sink", *li, hi, i)
                 dsk[sunk] = (_sink_state, root, plan.head_key(plan.sinks, li, hi))
                 root = sunk
-            out_dsk[(out_name, *li, hi, i, 0)] = (_pick, 0, root)
+            out_dsk[(out_name, *li, hi, i, 0)] = (_output, root, spec.dtype)
             lse_dsk[(lse_name, *li, hi, i)] = (_pick, 1, root)
 
     layers, deps = _collect(plan.inputs())
@@ -896,11 +929,12 @@ def backward(
                 return (_sum_parts, picks, *group)
 
             if len(parts) == 1:
-                g_dsk[(g_name, *idx)] = make(0, parts)
+                task = make(0, parts)
             else:
                 sum_name = g_name + "-sum-" + "-".join(map(str, idx))
-                root = _tree(dsk, sum_name, parts, SUM_FAN_IN, make)
-                g_dsk[(g_name, *idx)] = dsk.pop(root)
+                task = dsk.pop(_tree(dsk, sum_name, parts, SUM_FAN_IN, make))
+            _, picks, *group = task
+            g_dsk[(g_name, *idx)] = (_sum_parts, replace(picks, dtype=x.dtype), *group)
         names.append((n, g_name, g_dsk, x))
 
     row_inputs = [a for a in (out_r, lse_r, do_r, dl_r) if a is not None]
