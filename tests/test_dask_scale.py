@@ -496,9 +496,14 @@ def test_float16_partials_are_merged_and_summed_in_float32() -> None:
     d_out = r.standard_normal((1, 2, 16, 8)).astype(np.float16)
     want_out, pullback = aa.vjp(aa.scaled_dot_product_attention, q, k, v)
     want = [want_out, *pullback(d_out)]
-    lazy = [da.from_array(x, chunks=(1, 2, 8, 8)) for x in (q, k, v)]
-    got_out, pullback_d = aa.vjp(aa.scaled_dot_product_attention, *lazy)
-    got = [got_out, *pullback_d(da.from_array(d_out, chunks=(1, 2, 8, 8)))]
-    for w, g in zip(want, got, strict=True):
-        assert g.dtype == w.dtype == np.float16
-        assert _ulps(g, w) <= 2.0
+    # Over the sequence (partials merged and summed), and over heads (one part each).
+    for q_chunks, kv_chunks in (((1, 2, 8, 8), (1, 2, 8, 8)), ((1, 1, 16, 8), (1, 1, 64, 8))):
+        lazy = [
+            da.from_array(x, chunks=c) for x, c in ((q, q_chunks), (k, kv_chunks), (v, kv_chunks))
+        ]
+        got_out, pullback_d = aa.vjp(aa.scaled_dot_product_attention, *lazy)
+        got = [got_out, *pullback_d(da.from_array(d_out, chunks=q_chunks))]
+        for w, g in zip(want, got, strict=True):
+            computed = np.asarray(g)  # the chunks' own dtype, not only the graph's
+            assert g.dtype == computed.dtype == w.dtype == np.float16
+            assert _ulps(computed, w) <= 2.0
