@@ -142,7 +142,6 @@ def run_case(
         single.append(time.perf_counter() - t0)
         inputs = persisted_inputs()
         cluster.append(on_cluster(inputs))
-    del inputs
     peak_mib = _peak_rss_mib(client)
     return {
         "case": case,

@@ -235,8 +235,9 @@ def _in_compute_dtype(*arrays):
     for x in arrays:
         if x is not None:
             xp = _namespace(x)
-            if is_real_floating(xp, x.dtype) and compute_dtype(xp, x.dtype) != x.dtype:
-                x = xp.astype(x, compute_dtype(xp, x.dtype))
+            if is_real_floating(xp, x.dtype):
+                cd = compute_dtype(xp, x.dtype)
+                x = x if cd == x.dtype else xp.astype(x, cd)
         out.append(x)
     return out
 
@@ -422,15 +423,16 @@ class _Shapes:
 
 
 def _sum_parts(picks: _Picks, *parts):
+    """The sum of the picked parts, in ``picks.dtype`` when given. The parts are in the
+    compute dtype already (float32/float64: ``_backward_block`` runs on operands in it),
+    so they add up without copies and the input dtype's rounding happens once, here."""
     arrays = [p if i is None else p[i] for i, p in zip(picks.index, parts, strict=True)]
-    xp = _namespace(arrays[0])
-    dtype = arrays[0].dtype
-    acc_dtype = dtype if dtype in (xp.float32, xp.float64) else xp.float32
-    total = xp.astype(arrays[0], acc_dtype)
+    total = arrays[0]
     for a in arrays[1:]:
-        total = total + xp.astype(a, acc_dtype)
-    dtype = dtype if picks.dtype is None else picks.dtype
-    return total if total.dtype == dtype else xp.astype(total, dtype)
+        total = total + a
+    if picks.dtype is None or total.dtype == picks.dtype:
+        return total
+    return _namespace(total).astype(total, picks.dtype)
 
 
 def _zeros_like(x):

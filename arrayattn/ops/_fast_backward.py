@@ -15,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from . import _fast_threads
 from . import _numpy_fast as _nf
 from ._attention_spec import AttentionSpec
-from ._fast_threads import _fork_safe, _run_units, num_threads
+from ._fast_threads import _fork_safe, _run_units
 from ._numpy_fast import (
     _add_alibi,
     _blocked_out,
@@ -179,7 +180,7 @@ def backward(
 
     Hkv = spec.Hkv
     n_key_blocks = -(-spec.S // _nf.BWD_KEYS)
-    n_threads = num_threads()
+    n_threads = _fast_threads.num_threads()
     # (batch, KV head) pairs whose float-mask gradients land on the same mask elements
     # (the mask broadcasts over batch or heads) form one group, run in one unit in a
     # fixed order: an accumulation order that followed thread timing made the mask

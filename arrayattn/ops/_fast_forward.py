@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _fast_threads
 from . import _numpy_fast as _nf
 from ._attention_spec import AttentionSpec
-from ._fast_threads import _fork_safe, _run_units, num_threads
+from ._fast_threads import _fork_safe, _run_units
 from .dropout import dropout_keep
 
 __all__ = ["forward", "tile_plan", "DECODE_BLOCK_ELEMENTS", "MIN_SPLIT_KEYS"]
@@ -138,7 +139,7 @@ def forward(
 
     work = nb * spec.Hq * spec.L * spec.S * (spec.E + spec.Ev)
     serial = work < _nf._SERIAL_WORK * 4  # about 0.2 ms of products: the pool costs more
-    threads = num_threads()
+    threads = _fast_threads.num_threads()
     splits = 1
     if not serial and threads > 1 and len(tiles) < threads:
         longest = max(hi - lo for *_, lo, hi in tiles)

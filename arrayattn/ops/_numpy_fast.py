@@ -46,10 +46,9 @@ import numpy as np
 
 from .._backend import is_numpy, numpy_bridge
 from ._attention_spec import AttentionSpec
-from ._fast_threads import num_threads, one_thread
 from .masks import Structure, structural_allowed
 
-__all__ = ["forward", "backward", "declines", "num_threads", "one_thread", "BLOCK_ELEMENTS"]
+__all__ = ["forward", "backward", "declines", "BLOCK_ELEMENTS"]
 
 # Tunables (measured on a 2-core AMD EPYC with 1 MiB L2 per core; see bench/RESULTS.md).
 FWD_ROWS = 256

@@ -4,9 +4,7 @@
 // emulator); this file adds what the backward kernels call beyond those.
 #pragma once
 
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-#include <vector_types.h>
+#include <vector_types.h>      // uint4, make_uint4 (the kernels' 16-byte copies)
 #include <vector_functions.h>
 
 #include <algorithm>

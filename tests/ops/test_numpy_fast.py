@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import arrayattn as aa
+from arrayattn.ops import _fast_threads
 from arrayattn.ops import _numpy_fast as fast
 from arrayattn.ops import attention as attention_mod
 from arrayattn.ops._attention_spec import make_spec
@@ -150,17 +151,17 @@ def tiles(fwd_rows, block_elements, bwd_rows, bwd_keys, threaded=True):
     names = ("FWD_ROWS", "BLOCK_ELEMENTS", "BWD_ROWS", "BWD_KEYS", "_SERIAL_WORK")
     saved = {n: getattr(fast, n) for n in names}
     new = (fwd_rows, block_elements, bwd_rows, bwd_keys, 0 if threaded else saved["_SERIAL_WORK"])
-    saved_threads = fast.num_threads
+    saved_threads = _fast_threads.num_threads
     try:
         for n, value in zip(names, new, strict=True):
             setattr(fast, n, value)
         if threaded:
-            fast.num_threads = lambda: 2  # noqa: E731  (also on a 1-CPU machine)
+            _fast_threads.num_threads = lambda: 2  # noqa: E731  (also on a 1-CPU machine)
         yield
     finally:
         for n, value in saved.items():
             setattr(fast, n, value)
-        fast.num_threads = saved_threads
+        _fast_threads.num_threads = saved_threads
 
 
 def run(impl, q, k, v, mask, d_out, d_lse, **kw):

@@ -15,7 +15,7 @@ from _reference import attention as reference_attention
 from _reference import structural_mask
 
 import arrayattn as aa
-from arrayattn.ops import _composed, _cost, _fast_forward
+from arrayattn.ops import _composed, _cost, _fast_forward, _fast_threads
 from arrayattn.ops import _numpy_fast as fast
 from arrayattn.ops._attention_spec import make_spec
 from arrayattn.ops.attention import auto_choice
@@ -220,13 +220,13 @@ def test_composed_row_blocks_with_lengths(backend, lengths):
 @contextlib.contextmanager
 def _forced_splits(threads=4):
     """Split-KV on small inputs: several threads, no serial shortcut, tiny splits."""
-    saved = (fast.num_threads, fast._SERIAL_WORK, _fast_forward.MIN_SPLIT_KEYS)
-    fast.num_threads = lambda: threads  # noqa: E731
+    saved = (_fast_threads.num_threads, fast._SERIAL_WORK, _fast_forward.MIN_SPLIT_KEYS)
+    _fast_threads.num_threads = lambda: threads  # noqa: E731
     fast._SERIAL_WORK, _fast_forward.MIN_SPLIT_KEYS = 0, 1
     try:
         yield
     finally:
-        fast.num_threads, fast._SERIAL_WORK, _fast_forward.MIN_SPLIT_KEYS = saved
+        _fast_threads.num_threads, fast._SERIAL_WORK, _fast_forward.MIN_SPLIT_KEYS = saved
 
 
 SPLIT_CASES = {
