@@ -38,6 +38,7 @@ __all__ = [
     "sum_to_shape",
     "full_scalar",
     "broadcast_shapes",
+    "known_shape",
     "exp_shifted",
     "NumpyBridge",
     "numpy_bridge",
@@ -81,6 +82,29 @@ def is_lazy(xp: Namespace) -> bool:
     Python decision may be taken on array values (``bool(x)`` fails under ``jax.jit`` and
     computes a Dask graph)."""
     return bool(array_api_compat.is_jax_namespace(xp) or array_api_compat.is_dask_namespace(xp))
+
+
+def known_shape(name: str, x: Array) -> tuple[int, ...]:
+    """``x.shape`` as Python ints; a ``ValueError`` naming ``name`` when a size is unknown
+    (``None`` in the array API standard, NaN in Dask after boolean indexing or
+    ``to_dask_array()``): attention plans its work from the sizes.
+
+    Examples:
+        >>> import numpy as np
+        >>> known_shape("query", np.ones((2, 3)))
+        (2, 3)
+    """
+    sizes = tuple(x.shape)
+    unknown = [ax for ax, d in enumerate(sizes) if d is None or d != d]  # d != d: NaN
+    if not unknown:
+        return tuple(int(d) for d in sizes)
+    hint = ""
+    if hasattr(x, "compute_chunk_sizes"):  # Dask: the sizes are one compute away
+        hint = f"; call {name}.compute_chunk_sizes() first"
+    raise ValueError(
+        f"{name} has unknown size along axis {unknown[0]} (shape {sizes}); expected known "
+        f"sizes{hint}"
+    )
 
 
 def device_of(x: Array) -> Any:
