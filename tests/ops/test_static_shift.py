@@ -16,7 +16,7 @@ import arrayattn as aa
 from arrayattn.ops import _static_shift, chunked
 from arrayattn.ops._attention_spec import make_spec
 
-EAGER = ("numpy", "array_api_strict", "torch")
+EAGER = ("numpy", "array_api_strict", "array_api_strict_device1", "torch", "cupy")
 
 
 def _spec(q, k, v, mask=None, **options):
