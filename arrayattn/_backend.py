@@ -40,6 +40,7 @@ __all__ = [
     "broadcast_shapes",
     "known_shape",
     "to_float",
+    "to_floats",
     "exp_shifted",
     "workspace",
     "matmul_into",
@@ -101,6 +102,24 @@ def to_float(x: Array) -> float:
     if array_api_compat.is_torch_array(x):
         x = x.detach()
     return float(x)
+
+
+def to_floats(x: Array) -> list[float]:
+    """A 1-D array's values as Python floats, brought to the host in one transfer (one
+    synchronisation on a GPU instead of one per value). Eager libraries only.
+
+    Examples:
+        >>> import numpy as np
+        >>> to_floats(np.asarray([1.0, -2.5]))
+        [1.0, -2.5]
+    """
+    if array_api_compat.is_torch_array(x):
+        return [float(v) for v in x.detach().cpu().tolist()]
+    if array_api_compat.is_cupy_array(x):
+        return [float(v) for v in x.get().tolist()]
+    if array_api_compat.is_numpy_array(x):
+        return [float(v) for v in x.tolist()]
+    return [float(x[i]) for i in range(int(x.shape[0]))]
 
 
 def known_shape(name: str, x: Array) -> tuple[int, ...]:

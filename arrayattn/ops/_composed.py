@@ -24,7 +24,7 @@ from .._backend import (
     is_lazy,
     matmul_into,
     sum_to_shape,
-    to_float,
+    to_floats,
     where_allowed,
 )
 from ._attention_spec import AttentionSpec
@@ -222,7 +222,7 @@ def all_finite(xp: Namespace, x: Array) -> bool:
     """Whether a non-empty array holds no NaN or infinity, from its max and min (NaN
     propagates through both: the array API standard's rule), without an ``x``-sized
     temporary. Takes a Python decision on values: eager libraries only."""
-    return math.isfinite(to_float(xp.max(x))) and math.isfinite(to_float(xp.min(x)))
+    return all(math.isfinite(e) for e in to_floats(xp.stack([xp.max(x), xp.min(x)])))
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 
-from .._backend import Array, is_lazy, to_float
+from .._backend import Array, is_lazy, to_floats
 from ._attention_spec import AttentionSpec
 
 __all__ = ["LIMIT", "TINY", "limit_and_tiny", "bounded"]
@@ -65,25 +65,28 @@ def bounded(spec: AttentionSpec, qg: Array, kg: Array, vc: Array) -> bool:
         return False
     if 0 in tuple(qg.shape) or 0 in tuple(kg.shape):
         return False  # nothing to bound (the callers handle empty calls apart)
-    if spec.alibi_g is not None and to_float(xp.min(spec.alibi_g)) < 0.0:
-        return False
     limit, _ = limit_and_tiny(xp, spec.cdtype)
-    v_max = 0.0  # max |v| from two reductions (no |v| temporary)
-    if 0 not in tuple(vc.shape):
-        v_hi, v_lo = to_float(xp.max(vc)), to_float(xp.min(vc))
-        if not (math.isfinite(v_hi) and math.isfinite(v_lo)):
-            return False
-        v_max = max(abs(v_hi), abs(v_lo))
-    room = math.log(max(spec.S, 1)) + math.log(max(v_max, 1.0))
-    if not math.isfinite(room):
-        return False
     # max_i |q_i| * max_j |k_j| per KV head: the largest bound of any row decides. Rows
     # holding NaN or infinity are left out: their scores are non-finite, and the running
     # maximum of a row with such a score is non-finite too, so the exact path shifts it
     # by 0 as well (same result); the other rows then keep the path a clean call takes.
     q_norm = xp.sqrt(xp.max(_finite_or_zero(xp, xp.sum(qg * qg, axis=-1)), axis=(-2, -1)))
     k_norm = xp.sqrt(xp.max(_finite_or_zero(xp, xp.sum(kg * kg, axis=-1)), axis=(-2, -1)))
-    bound = to_float(xp.max(q_norm * k_norm))
+    facts = [xp.max(q_norm * k_norm)]
+    if 0 not in tuple(vc.shape):  # max |v| from two reductions (no |v| temporary)
+        facts += [xp.max(vc), xp.min(vc)]
+    if spec.alibi_g is not None:
+        facts.append(xp.astype(xp.min(spec.alibi_g), facts[0].dtype))
+    values = to_floats(xp.stack(facts))  # one transfer (one GPU synchronisation)
+    bound, rest = values[0], values[1:]
+    if spec.alibi_g is not None and not rest.pop() >= 0.0:  # a slope < 0 raises scores
+        return False
+    v_max = 0.0
+    if rest:
+        if not all(math.isfinite(e) for e in rest):
+            return False
+        v_max = max(abs(e) for e in rest)
+    room = math.log(max(spec.S, 1)) + math.log(max(v_max, 1.0))
     if spec.softcap is not None:
         bound = min(bound, spec.softcap)
     return bound + room <= limit  # False for a NaN bound
