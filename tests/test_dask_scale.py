@@ -325,16 +325,11 @@ def test_local_schedulers_leave_the_allocator_alone(monkeypatch):
 
 
 @pytest.mark.slow
-def test_dask_bench_quick_run(tmp_path, capsys, monkeypatch):
+def test_dask_bench_quick_run(tmp_path, capsys):
     pytest.importorskip("distributed")
-    import importlib.util
-    from pathlib import Path
+    from _scripts import load_script
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "dask_bench.py"
-    spec = importlib.util.spec_from_file_location("dask_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "dask_bench", bench)  # dataclasses look it up
-    spec.loader.exec_module(bench)
+    bench = load_script("bench/dask_bench.py")
     results = tmp_path / "RESULTS.md"
     argv = ["--quick", "--cases", "heads", "--passes", "fwd", "--append-results", str(results)]
     assert bench.main(argv) == 0
