@@ -369,3 +369,39 @@ def test_torch_autograd_through_sdpa_equals_the_manual_backward(implementation, 
             _close(leaf.grad, grads[i], rtol=1e-9, atol=1e-11, msg=f"gradient {i}")
     if sinks is not None:
         _close(sink_leaf.grad, grads[-1]["sinks"], rtol=1e-9, atol=1e-11, msg="sinks")
+
+
+def _autograd_ops():
+    """``(op, differentiable arrays, other arguments)``."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2, 4, 6, 8))
+    w, b = rng.standard_normal(8), rng.standard_normal(8)
+    packed = rng.standard_normal((4, 10, 8))
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    freqs = torch.tensor(aa.rope_frequencies(8, 6, xp=np))
+    varlen = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "is_causal": True}
+    return {
+        "rms_norm": (aa.rms_norm, [x, w], {}),
+        "layer_norm": (aa.layer_norm, [x, w, b], {}),
+        "softmax": (aa.softmax, [x], {"axis": -1}),
+        "apply_rope": (aa.apply_rope, [x], {"freqs": freqs}),
+        "attention_weights": (aa.attention_weights, [x, x], {"is_causal": True}),
+        "varlen_chunked": (
+            aa.varlen_attention,
+            [packed, packed + 1, packed - 1],
+            {**varlen, "implementation": "chunked"},
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", list(_autograd_ops()))
+def test_torch_autograd_through_other_ops_equals_the_manual_backward(name):
+    fn, arrays, opts = _autograd_ops()[name]
+    leaves = [_t(a) for a in arrays]
+    out = fn(*leaves, **opts)
+    cot = np.random.default_rng(12).standard_normal(tuple(out.shape))
+    (out * torch.tensor(cot)).sum().backward()
+    want, pullback = aa.vjp(fn, *(torch.tensor(a) for a in arrays), **opts)
+    _close(out, want, msg="forward")
+    for i, (leaf, g) in enumerate(zip(leaves, pullback(torch.tensor(cot)), strict=False)):
+        _close(leaf.grad, g, rtol=1e-9, atol=1e-11, msg=f"gradient {i}")
