@@ -208,39 +208,33 @@ def _chunked_blocks(q, k, v, causal: bool) -> tuple[int, int]:
 
 def _online_softmax_floor(torch, q, k, v, causal: bool, blocks: tuple[int, int]):
     """The least any array-API formulation of the chunked path does, written in the
-    library's own ops: per block one product for the scores, a row max, the shift and
-    ``exp`` in place, a row sum, one product with V, the rescale; causal blocks past the
-    diagonal skipped and the diagonal ones masked. No masks, lengths, garbage handling or
-    checks: what the chunked path costs beyond this is its generality."""
+    library's own ops: per block one product for the scores (into a reused buffer),
+    ``exp`` in place (the static shift: no row max, no rescale), one product with
+    ``[V | 1]`` (the row sums as its last column) and the accumulation; causal blocks
+    past the diagonal skipped and the diagonal ones masked in place. No masks, lengths,
+    bound check, garbage handling or checks: what the chunked path costs beyond this is
+    its generality."""
     bq, bk = blocks
     L, S = q.shape[-2], k.shape[-2]
     scale = q.shape[-1] ** -0.5
     outs = []
     with torch.no_grad():
+        v1 = torch.cat([v, torch.ones(v.shape[:-1] + (1,), dtype=v.dtype)], -1)
+        s_buf = torch.empty(q.shape[:-2].numel() * bq * bk, dtype=q.dtype)
         for r0 in range(0, L, bq):
             r1 = min(r0 + bq, L)
             qb = q[..., r0:r1, :] * scale
-            m = acc = total = None
+            acc = None
             for c0 in range(0, r1 if causal else S, bk):
-                c1 = min(c0 + bk, S)
-                s = qb @ k[..., c0:c1, :].mT
-                if causal and c1 > r0:
+                c1 = min(c0 + bk, r1 if causal else S)
+                s = s_buf[: qb.shape[:-1].numel() * (c1 - c0)].view(qb.shape[:-1] + (c1 - c0,))
+                torch.matmul(qb, k[..., c0:c1, :].mT, out=s)
+                if causal and c1 > r0 + 1:
                     rows = torch.arange(r0, r1).unsqueeze(-1)
                     s.masked_fill_(torch.arange(c0, c1) > rows, float("-inf"))
-                m_new = s.amax(-1, keepdim=True)
-                if m is not None:
-                    m_new = torch.maximum(m, m_new)
-                p = s.sub_(m_new).exp_()
-                pv = p @ v[..., c0:c1, :]
-                t = p.sum(-1, keepdim=True)
-                if m is None:
-                    acc, total = pv, t
-                else:
-                    alpha = torch.exp(m - m_new)
-                    acc = acc * alpha + pv
-                    total = total * alpha + t
-                m = m_new
-            outs.append(acc / total)
+                pv = s.exp_() @ v1[..., c0:c1, :]
+                acc = pv if acc is None else acc.add_(pv)
+            outs.append(acc[..., :-1] / acc[..., -1:])
     return torch.cat(outs, -2)
 
 

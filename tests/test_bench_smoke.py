@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from _scripts import load_script
 
 from arrayattn import bench
 
@@ -177,14 +178,7 @@ def test_array_api_section_names_what_auto_ran_and_times_the_floor():
 
 
 def _load_script(name: str):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"bench/{name}.py")
 
 
 def test_gpu_sanitize_script_runs_its_cases_on_numpy_and_flags_non_finite(capsys, monkeypatch):

@@ -4,6 +4,7 @@ sequence equal the one-process NumPy call, stay lazy, have O(blocks) tasks, and 
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -324,16 +325,11 @@ def test_local_schedulers_leave_the_allocator_alone(monkeypatch):
 
 
 @pytest.mark.slow
-def test_dask_bench_quick_run(tmp_path, capsys, monkeypatch):
+def test_dask_bench_quick_run(tmp_path, capsys):
     pytest.importorskip("distributed")
-    import importlib.util
-    from pathlib import Path
+    from _scripts import load_script
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "dask_bench.py"
-    spec = importlib.util.spec_from_file_location("dask_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "dask_bench", bench)  # dataclasses look it up
-    spec.loader.exec_module(bench)
+    bench = load_script("bench/dask_bench.py")
     results = tmp_path / "RESULTS.md"
     argv = ["--quick", "--cases", "heads", "--passes", "fwd", "--append-results", str(results)]
     assert bench.main(argv) == 0
@@ -507,3 +503,29 @@ def test_float16_partials_are_merged_and_summed_in_float32() -> None:
             computed = np.asarray(g)  # the chunks' own dtype, not only the graph's
             assert g.dtype == computed.dtype == w.dtype == np.float16
             assert _ulps(computed, w) <= 2.0
+
+
+@pytest.mark.parametrize("arg", ["query", "key", "attn_mask"])
+def test_unknown_chunk_sizes_are_named_with_the_fix(arg: str) -> None:
+    # Boolean indexing (or dask.dataframe's to_dask_array) leaves NaN sizes: the plan needs
+    # sizes, so the error names the argument and Dask's own remedy, before any graph.
+    rng = np.random.default_rng(0)
+    x = da.from_array(rng.standard_normal((2, 2, 8, 4)), chunks=(1, 1, 4, 4))
+    mask = da.ones((2, 2, 8, 8), dtype=bool, chunks=(1, 1, 4, 4))
+    args = {"query": x, "key": x, "value": x, "attn_mask": mask}
+    unknown = args[arg][args[arg].sum(axis=(1, 2, 3)) > -np.inf]
+    assert math.isnan(unknown.shape[0])
+    args[arg] = unknown
+    with pytest.raises(
+        ValueError,
+        match=rf"{arg} has unknown size along axis 0.*"
+        rf"{arg}\.compute_chunk_sizes\(\)",
+    ):
+        aa.scaled_dot_product_attention(**args)
+    # ... and the remedy works.
+    args[arg] = unknown.compute_chunk_sizes()
+    out = aa.scaled_dot_product_attention(**args)
+    ref = aa.scaled_dot_product_attention(
+        x.compute(), x.compute(), x.compute(), attn_mask=mask.compute()
+    )
+    np.testing.assert_allclose(out.compute(), ref, rtol=0, atol=1e-12)

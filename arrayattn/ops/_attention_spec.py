@@ -20,6 +20,7 @@ from .._backend import (
     compute_dtype,
     device_of,
     is_real_floating,
+    known_shape,
     namespace_of,
     prod,
     records_gradients,
@@ -356,7 +357,9 @@ def _check_qkv(xp: Namespace, query: Array, key: Array, value: Array) -> tuple[S
         raise TypeError(
             f"{bad} dtype {dt} differs from query dtype {query.dtype}; expected one dtype"
         )
-    q_shape, k_shape, v_shape = (tuple(int(d) for d in x.shape) for x in (query, key, value))
+    q_shape, k_shape, v_shape = (
+        known_shape(n, x) for n, x in (("query", query), ("key", key), ("value", value))
+    )
     E, Ek = q_shape[-1], k_shape[-1]
     S, Sv = k_shape[-2], v_shape[-2]
     if Ek != E:
@@ -420,7 +423,7 @@ def _mask(xp: Namespace, attn_mask: Array | None, target: Shape) -> tuple[str | 
             f"attn_mask must be bool (True = takes part) or a real floating additive "
             f"bias, got dtype {attn_mask.dtype}"
         )
-    shape = tuple(int(d) for d in attn_mask.shape)
+    shape = known_shape("attn_mask", attn_mask)
     try:
         ok = broadcast_shapes(shape, target) == target
     except ValueError:
@@ -482,7 +485,7 @@ def _per_head_g(
         raise TypeError(
             f"{name} must have a real floating dtype (one value per query head), got {x.dtype}"
         )
-    shape = tuple(int(d) for d in x.shape)
+    shape = known_shape(name, x)
     target = lead + (Hq,)
     try:
         ok = len(shape) >= 1 and broadcast_shapes(shape, target) == target
@@ -510,7 +513,7 @@ def _lengths_g(
         return None
     if not xp.isdtype(lengths.dtype, "integral"):
         raise TypeError(f"{name} must have an integer dtype, got {lengths.dtype}")
-    shape = tuple(int(d) for d in lengths.shape)
+    shape = known_shape(name, lengths)
     if shape != lead:
         raise ValueError(
             f"{name} must have the broadcast batch shape {lead} of query/key/value "

@@ -13,9 +13,20 @@ heads of a GQA group are stacked as rows of one product per KV head
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from .._backend import Array, Namespace, exp_shifted, full_scalar, sum_to_shape
+from .._backend import (
+    Array,
+    Namespace,
+    exp_shifted,
+    full_scalar,
+    is_lazy,
+    matmul_into,
+    sum_to_shape,
+    to_floats,
+    where_allowed,
+)
 from ._attention_spec import AttentionSpec
 from .dropout import dropout_keep
 from .masks import structural_allowed
@@ -48,12 +59,13 @@ def kv_rows(xp: Namespace, x: Array) -> Array:
     return xp.reshape(x, shape[:-3] + shape[-2:])
 
 
-def group_matmul(xp: Namespace, rows_g: Array, right: Array) -> Array:
+def group_matmul(xp: Namespace, rows_g: Array, right: Array, scratch: Array | None = None) -> Array:
     """``rows_g @ right`` for grouped rows ``(..., A, G, l, X)`` and a per-KV-head right
     operand ``(..., Hk, X, Y)``, as one product per KV head on the stacked
-    ``(G*l, X)`` rows; returns grouped ``(..., H, G, l, Y)``."""
+    ``(G*l, X)`` rows; returns grouped ``(..., H, G, l, Y)`` (in ``scratch``, a
+    ``_backend.workspace``, when given)."""
     g, n = int(rows_g.shape[-3]), int(rows_g.shape[-2])
-    out = xp.matmul(stack_rows(xp, rows_g), right)
+    out = matmul_into(xp, stack_rows(xp, rows_g), right, scratch)
     shape = tuple(out.shape)
     return xp.reshape(out, shape[:-2] + (g, n, shape[-1]))
 
@@ -131,9 +143,11 @@ def scores_block(
     cols: Array,
     check_structure: bool = True,
     q_scaled: bool = False,
+    scratch: Array | None = None,
 ) -> tuple[Array, Array | None]:
     """Final masked scores ``(..., l, s)`` in the compute dtype for a block, and the
-    softcap ``tanh`` (kept for the backward) or ``None``.
+    softcap ``tanh`` (kept for the backward) or ``None``. With ``scratch`` (a
+    ``_backend.workspace``) the scores may live in it: valid until its next use.
 
     ``qg``/``kg`` are in the compute dtype; ``mask_g`` is the user's mask for the block
     in the grouped layout (bool or float), ``rows``/``cols`` the block's int32 indices;
@@ -142,7 +156,7 @@ def scores_block(
     instead of an ``l x s`` one).
     """
     xp = spec.xp
-    s = group_matmul(xp, qg, xp.matrix_transpose(kv_rows(xp, kg)))
+    s = group_matmul(xp, qg, xp.matrix_transpose(kv_rows(xp, kg)), scratch)
     if spec.scale != 1.0 and not q_scaled:
         s = s * spec.scale
     tanh = None
@@ -158,8 +172,8 @@ def scores_block(
         # A -inf bias removes the key even when its score is garbage (NaN + -inf = NaN).
         kept = bias != full_scalar(xp, -float("inf"), spec.cdtype, spec.device)
         allowed = kept if allowed is None else xp.logical_and(allowed, kept)
-    if allowed is not None:
-        s = xp.where(allowed, s, full_scalar(xp, -float("inf"), spec.cdtype, spec.device))
+    if allowed is not None:  # (s is this block's own: masked in place where possible)
+        s = where_allowed(xp, s, allowed, full_scalar(xp, -float("inf"), spec.cdtype, spec.device))
         if tanh is not None:  # tanh of a garbage score must not reach the chain rule
             tanh = xp.where(allowed, tanh, full_scalar(xp, 0.0, spec.cdtype, spec.device))
     return s, tanh
@@ -196,10 +210,19 @@ def value_operands(spec: AttentionSpec, vg: Array) -> tuple[Array, Array | None]
     if not spec.may_mask:
         return vg, None
     xp = spec.xp
+    if not is_lazy(xp) and 0 not in tuple(vg.shape) and all_finite(xp, vg):
+        return vg, None  # (two reductions instead of a cleaned copy of V)
     finite = xp.isfinite(vg)
     clean = xp.where(finite, vg, full_scalar(xp, 0.0, vg.dtype, spec.device))
     bad = xp.astype(xp.logical_not(xp.all(finite, axis=-1, keepdims=True)), spec.cdtype)
     return clean, bad
+
+
+def all_finite(xp: Namespace, x: Array) -> bool:
+    """Whether a non-empty array holds no NaN or infinity, from its max and min (NaN
+    propagates through both: the array API standard's rule), without an ``x``-sized
+    temporary. Takes a Python decision on values: eager libraries only."""
+    return all(math.isfinite(e) for e in to_floats(xp.stack([xp.max(x), xp.min(x)])))
 
 
 @dataclass(frozen=True)

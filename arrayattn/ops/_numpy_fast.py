@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from .._backend import is_numpy, numpy_bridge
+from . import _static_shift
 from ._attention_spec import AttentionSpec
 from .masks import Structure, structural_allowed
 
@@ -64,11 +65,11 @@ L<=1024 the two were within noise: interleaved A/B, 2026-11-22)."""
 _SERIAL_WORK = 1 << 20
 """Calls with fewer ``L x S x heads`` score elements than this run on the calling thread."""
 
-# exp(x) of float32 overflows above ~88.7 (float64: ~709.8); the static-shift path is
-# used only when scores, row sums and value sums stay well below that.
-_STATIC_LIMIT = {np.dtype(np.float32): 80.0, np.dtype(np.float64): 690.0}
-# A row sum below this (on the static path) may have lost precision to underflow.
-_TINY_SUM = {np.dtype(np.float32): 1e-25, np.dtype(np.float64): 1e-280}
+# The static shift (see _static_shift): used only when scores, row sums and value sums
+# stay well below exp's overflow; a row sum below TINY may have lost precision.
+_BITS = {np.dtype(np.float32): 32, np.dtype(np.float64): 64}
+_STATIC_LIMIT = {dt: _static_shift.LIMIT[b] for dt, b in _BITS.items()}
+_TINY_SUM = {dt: _static_shift.TINY[b] for dt, b in _BITS.items()}
 
 _SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .._autodiff import register_vjp
-from .._backend import Array
+from .._backend import Array, known_shape
 from . import _composed
 from ._attention_spec import AttentionSpec, make_spec
 
@@ -354,7 +354,7 @@ def split_cotangent(
 
 
 def _check_cotangent(name: str, x: Array | None, shape: tuple[int, ...]) -> None:
-    if x is not None and tuple(int(d) for d in x.shape) != tuple(shape):
+    if x is not None and known_shape(name, x) != tuple(shape):
         raise ValueError(f"cotangent {name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
 
 

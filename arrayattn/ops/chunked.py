@@ -6,7 +6,12 @@ the mask's shape).
 
 Forward, for each query block: a running row max ``m`` and sum ``l`` in float32/float64
 and an accumulator rescaled by ``exp(m_old - m_new)`` whenever the max grows; one
-normalisation at the end, and the LSE ``m + log(l)`` is kept for the backward.
+normalisation at the end, and the LSE ``m + log(l)`` is kept for the backward. On eager
+libraries, when a bound on the scores shows ``exp`` cannot overflow (``_static_shift``),
+the running max goes: per key block the scores product, ``exp`` in place, the product
+with ``[V | 1]`` and the accumulation; rows whose sums then underflow are redone with
+it. Scores and value products land in buffers reused block after block where the
+library's ``matmul`` takes ``out=`` (``_backend.workspace``).
 
 Backward (FlashAttention-2): the probabilities are recomputed block by block from the
 saved LSE, ``P = exp(S - LSE)``; with ``D = rowsum(dO * O)``, ``dS = P * (dP - D)``
@@ -28,8 +33,8 @@ from __future__ import annotations
 
 import math
 
-from .._backend import Array, exp_shifted, full_scalar, is_lazy, sum_to_shape
-from . import _composed
+from .._backend import Array, exp_shifted, full_scalar, is_lazy, sum_to_shape, workspace
+from . import _composed, _static_shift
 from ._attention_spec import AttentionSpec
 from .attention import register_implementation
 
@@ -52,16 +57,18 @@ BLOCK_K: int | None = None
 (a keyword ``block_k=`` overrides it per call)."""
 
 BLOCK_BYTES = 4 * 2**20
-"""Target size of one block's score matrix over all batches and heads (compute dtype):
-large enough that each array-API call does a lot of work, small enough that the block's
-temporaries stay near the cache and are recycled by the allocator (and at most 1/32 of
-the whole score matrix, since this path exists to bound memory). The scores are
-shifted and exponentiated in place where the library allows it
-(``_backend.exp_shifted``), so a block costs one score-sized array, not three. Measured
-on PyTorch CPU tensors (B1 H8 L2048 D64 float32, 2 threads, quiet machine, ratio to
-SDPA): 128 x 512 blocks (2 MiB) 2.19-2.22 full / 2.34-2.38 causal, 256 x 512 (4 MiB)
-1.83-1.92 / 2.06-2.19, 256 x 1024 (8 MiB) 1.83-1.88 / 2.06-2.17, 512 x 512 1.74-1.79 /
-2.36-2.62, all keys in one block of 2048 2.31 / 6.07."""
+"""Target size of one block's score matrix over all batches and heads (compute dtype): large
+enough that each array-API call does a lot of work, small enough that the block's
+temporaries stay near the cache and are recycled by the allocator (and at most 1/32 of the
+whole score matrix, since this path exists to bound memory). The scores are shifted and
+exponentiated in place where the library allows it (``_backend.exp_shifted``), so a block
+costs one score-sized array, not three. Measured before the static shift on PyTorch CPU
+tensors (B1 H8 L2048 D64 float32, 2 threads, quiet machine, ratio to SDPA): 128 x 512 blocks
+(2 MiB) 2.19-2.22 full / 2.34-2.38 causal, 256 x 512 (4 MiB) 1.83-1.92 / 2.06-2.19, 256 x
+1024 (8 MiB) 1.83-1.88 / 2.06-2.17, 512 x 512 1.74-1.79 / 2.36-2.62, all keys in one block
+of 2048 2.31 / 6.07. With the static shift and reused buffers (2026-11-23, medians of 9
+interleaved rounds): 128 x 512 1.79 / 1.82, 256 x 512 1.53 / 1.65, 256 x 1024 1.51 / 1.70,
+512 x 512 1.48 / 1.81, 512 x 1024 1.55 / 1.93."""
 MIN_BLOCK_ROWS = 16
 MIN_BLOCK_KEYS = 128
 STRUCTURED_ROW_BLOCKS = 8
@@ -199,89 +206,150 @@ def forward(
     if spec.L == 0:
         return _composed.forward(spec, query, key, value, attn_mask)
     xp = spec.xp
-    cd = spec.cdtype
-    dev = spec.device
     qg, kg, vg, mask_g = _composed._prepare(spec, query, key, value, attn_mask)
     # Garbage in excluded value rows must not meet P's zeros (0 * NaN is NaN).
     vc, bad = _composed.value_operands(spec, vg)
-    v_ext, cols_ext = _composed.value_columns(spec, vc, bad)
-    neg_inf = full_scalar(xp, -math.inf, cd, dev)
-    zero = full_scalar(xp, 0.0, cd, dev)
-    one = full_scalar(xp, 1.0, cd, dev)
-    rows_shape = spec.lead + (spec.Hq // spec.G, spec.G)
     if spec.scale != 1.0:
         qg = qg * spec.scale  # on the l x E queries, not on every l x s block
-    # Index arrays only when a block needs them (structure edge, lengths, dropout).
-    need_index = spec.has_lengths or spec.dropout_p > 0 or spec.alibi_g is not None
-
-    outs, lses = [], []
+    rows = _Rows(spec, qg, kg, vc, bad, mask_g, bq, bk)
+    static = _static_shift.bounded(spec, qg, kg, vc)
+    outs, lses, suspects = [], [], []
     for r0 in range(0, spec.L, bq):
         r1 = min(r0 + bq, spec.L)
-        q_blk = qg if (r0, r1) == (0, spec.L) else qg[..., r0:r1, :]
+        out_b, lse_b, suspect = rows.block(r0, r1, static)
+        outs.append(out_b)
+        lses.append(lse_b)
+        suspects.append(suspect)
+    flagged = [xp.any(x) for x in suspects if x is not None]
+    if flagged and bool(xp.any(xp.stack(flagged))):  # one decision per call
+        # Rows whose sums underflowed on the static shift: their blocks again, exactly.
+        for n, r0 in enumerate(range(0, spec.L, bq)):
+            if suspects[n] is not None and bool(xp.any(suspects[n])):
+                outs[n], lses[n], _ = rows.block(r0, min(r0 + bq, spec.L), False)
+    out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
+    lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=-2)
+    out = spec.ungroup_out(xp.astype(out, spec.dtype, copy=False))
+    return out, _composed.reshape_lse(spec, lse[..., 0])
+
+
+class _Rows:
+    """The forward of one block of query rows over its key blocks (an online softmax),
+    for one call's prepared operands."""
+
+    def __init__(self, spec: AttentionSpec, qg, kg, vc, bad, mask_g, bq: int, bk: int):
+        xp, cd, dev = spec.xp, spec.cdtype, spec.device
+        self.spec, self.qg, self.kg, self.mask_g, self.bk = spec, qg, kg, mask_g, bk
+        self.v_ext, self.cols_ext = _composed.value_columns(spec, vc, bad)
+        # Each block's scores and value product land in buffers reused block after block
+        # (see _backend.workspace): no allocation, and no page faults, per block.
+        rows = spec.batch_size * spec.Hq * min(bq, spec.L)
+        on = not spec.autograd
+        self.s_scratch = workspace(xp, rows * min(bk, spec.S), cd, dev, on)
+        self.pv_scratch = workspace(xp, rows * int(self.v_ext.shape[-1]), cd, dev, on)
+        self.neg_inf = full_scalar(xp, -math.inf, cd, dev)
+        self.zero = full_scalar(xp, 0.0, cd, dev)
+        self.one = full_scalar(xp, 1.0, cd, dev)
+        self.tiny = full_scalar(xp, _static_shift.limit_and_tiny(xp, cd)[1], cd, dev)
+        self.rows_shape = spec.lead + (spec.Hq // spec.G, spec.G)
+        # Index arrays only when a block needs them (structure edge, lengths, dropout).
+        self.need_index = spec.has_lengths or spec.dropout_p > 0 or spec.alibi_g is not None
+
+    def block(self, r0: int, r1: int, static: bool) -> tuple[Array, Array, Array | None]:
+        """Output and LSE (grouped, compute dtype, LSE with a trailing axis of 1) of rows
+        ``[r0, r1)``, and with ``static`` the rows whose sums may have underflowed
+        (``None`` otherwise): the running maximum is kept only when ``static`` is False."""
+        spec, xp = self.spec, self.spec.xp
+        q_blk = self.qg if (r0, r1) == (0, spec.L) else self.qg[..., r0:r1, :]
         m = total = acc = None
-        for _, c0, c1, inside in _key_blocks(spec, r0, r1, bk, clip=True):
+        for _, c0, c1, inside in _key_blocks(spec, r0, r1, self.bk, clip=True):
             rows = cols = None
-            if need_index or not inside:
+            if self.need_index or not inside:
                 rows, cols = _composed.index_block(spec, r0, r1, c0, c1)
-            k_blk, v_blk = (x if (c0, c1) == (0, spec.S) else x[..., c0:c1, :] for x in (kg, v_ext))
+            k_blk, v_blk = (
+                x if (c0, c1) == (0, spec.S) else x[..., c0:c1, :] for x in (self.kg, self.v_ext)
+            )
             s, _ = _composed.scores_block(
                 spec,
                 q_blk,
                 k_blk,
-                _mask_block(mask_g, r0, r1, c0, c1),
+                _mask_block(self.mask_g, r0, r1, c0, c1),
                 rows,
                 cols,
                 check_structure=not inside,
                 q_scaled=True,
+                scratch=self.s_scratch,
             )
-            m_blk = xp.max(s, axis=-1, keepdims=True)
-            m_new = m_blk if m is None else xp.maximum(m, m_blk)
-            # A row that has seen no key yet keeps m = -inf; shift it by 0 instead, so
-            # exp gives 0 and never NaN.
-            m_safe = xp.where(xp.isfinite(m_new), m_new, zero)
+            m_safe = None
+            if not static:
+                m_blk = xp.max(s, axis=-1, keepdims=True)
+                m_new = m_blk if m is None else xp.maximum(m, m_blk)
+                # A row that has seen no key yet keeps m = -inf; shift it by 0 instead, so
+                # exp gives 0 and never NaN.
+                m_safe = xp.where(xp.isfinite(m_new), m_new, self.zero)
             p = exp_shifted(xp, s, m_safe)  # (s is this block's own: overwritten)
             t = None
-            if cols_ext.total is None:  # (with dropout: the sum of the undropped p)
+            if self.cols_ext.total is None:  # (with dropout: the sum of the undropped p)
                 t = xp.sum(p, axis=-1, keepdims=True)
             if spec.dropout_p > 0:
                 p = _composed.apply_dropout(spec, p, rows, cols)
             # [P V | P 1 | P bad]: the output, the row sums and the rows that give weight
             # to a non-finite value, in one product (and one rescale).
-            pv = _composed.group_matmul(xp, p, _composed.kv_rows(xp, v_blk))
-            if m is None:  # first block: nothing to rescale
+            # (The first block's product becomes the accumulator: an array of its own.)
+            scratch = None if acc is None else self.pv_scratch
+            pv = _composed.group_matmul(xp, p, _composed.kv_rows(xp, v_blk), scratch)
+            if acc is None:  # first block: nothing to rescale
                 acc, total = pv, t
+            elif static and not spec.autograd:  # one shift (0) for all: no rescale either
+                acc += pv  # (acc is this row block's own)
+                if t is not None:
+                    total += t
+            elif static:
+                acc = acc + pv
+                if t is not None:
+                    total = total + t
             else:
                 alpha = xp.exp(m - m_safe)
                 acc = acc * alpha + pv
                 if t is not None:
                     total = total * alpha + t
-            m = m_new
-        if m is None:  # no key block for these rows (a sink still gives them an LSE)
+            if not static:
+                m = m_new
+        shape = self.rows_shape + (r1 - r0,)
+        if acc is None:  # no key block for these rows (a sink still gives them an LSE)
             out_b, lse_b = _composed.merge_sinks(
                 spec,
-                xp.zeros(rows_shape + (r1 - r0, spec.Ev), dtype=cd, device=dev),
-                xp.full(rows_shape + (r1 - r0, 1), -math.inf, dtype=cd, device=dev),
+                xp.zeros(shape + (spec.Ev,), dtype=spec.cdtype, device=spec.device),
+                xp.full(shape + (1,), -math.inf, dtype=spec.cdtype, device=spec.device),
             )
-            outs.append(xp.broadcast_to(out_b, rows_shape + (r1 - r0, spec.Ev)))
-            lses.append(xp.broadcast_to(lse_b, rows_shape + (r1 - r0, 1)))
-            continue
-        out_b, total_g, touched = cols_ext.split(acc)
+            return (
+                xp.broadcast_to(out_b, shape + (spec.Ev,)),
+                xp.broadcast_to(lse_b, shape + (1,)),
+                None,
+            )
+        out_b, total_g, touched = self.cols_ext.split(acc)
         total = total_g if total is None else total
         # Empty means a total of exactly 0; a NaN total (a NaN score) keeps LSE NaN.
-        empty = total == zero
-        total_safe = xp.where(empty, one, total)
-        m_safe = xp.where(xp.isfinite(m), m, zero)
+        empty = total == self.zero
+        total_safe = xp.where(empty, self.one, total)
+        log_total = xp.log(total_safe)
+        suspect = None
+        if static:
+            # Without ALiBi an unmasked key adds at least exp(-LIMIT): 0 is an empty row.
+            suspect = total < self.tiny
+            if spec.alibi_g is None:
+                suspect = xp.logical_and(suspect, xp.logical_not(empty))
+        else:
+            log_total = xp.where(xp.isfinite(m), m, self.zero) + log_total
         out_b, lse_b = _composed.merge_sinks(
             spec,
             _composed.poison_rows(spec, out_b / total_safe, touched),
-            xp.where(empty, neg_inf, m_safe + xp.log(total_safe)),
+            xp.where(empty, self.neg_inf, log_total),
         )
-        outs.append(xp.broadcast_to(out_b, rows_shape + (r1 - r0, spec.Ev)))
-        lses.append(xp.broadcast_to(lse_b, rows_shape + (r1 - r0, 1)))
-    out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
-    lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=-2)
-    out = spec.ungroup_out(xp.astype(out, spec.dtype, copy=False))
-    return out, _composed.reshape_lse(spec, lse[..., 0])
+        return (
+            xp.broadcast_to(out_b, shape + (spec.Ev,)),
+            xp.broadcast_to(lse_b, shape + (1,)),
+            suspect,
+        )
 
 
 def backward(

@@ -17,7 +17,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._autodiff import register_vjp
-from .._backend import Array, device_of, full_scalar, is_real_floating, namespace_of
+from .._backend import (
+    Array,
+    device_of,
+    full_scalar,
+    is_real_floating,
+    known_shape,
+    namespace_of,
+)
 
 __all__ = ["merge_attention_states"]
 
@@ -36,7 +43,7 @@ def _check(outs: Sequence[Array], lses: Sequence[Array]) -> tuple[Any, Any]:
     named = {f"outs[{i}]": o for i, o in enumerate(outs)}
     named.update({f"lses[{i}]": x for i, x in enumerate(lses)})
     xp = namespace_of(**named)
-    shape = tuple(int(d) for d in outs[0].shape)
+    shape = known_shape("outs[0]", outs[0])
     if len(shape) < 1:
         raise ValueError(f"outs[0] must have shape (..., L, Ev), got {shape}")
     for i, (o, x) in enumerate(zip(outs, lses, strict=True)):
@@ -50,9 +57,9 @@ def _check(outs: Sequence[Array], lses: Sequence[Array]) -> tuple[Any, Any]:
                 f"lses[{i}] has dtype {x.dtype}; expected the real floating dtype of lses[0] "
                 f"({lses[0].dtype})"
             )
-        if tuple(int(d) for d in o.shape) != shape:
+        if known_shape(f"outs[{i}]", o) != shape:
             raise ValueError(f"outs[{i}] has shape {tuple(o.shape)}, expected {shape} (outs[0])")
-        if tuple(int(d) for d in x.shape) != shape[:-1]:
+        if known_shape(f"lses[{i}]", x) != shape[:-1]:
             raise ValueError(
                 f"lses[{i}] has shape {tuple(x.shape)}, expected {shape[:-1]} "
                 "(the outs' shape without the feature axis)"

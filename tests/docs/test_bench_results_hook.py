@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from _scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,12 +44,7 @@ new CPU table
 
 def _hook():
     pytest.importorskip("mkdocs", reason="the docs extra (pip install -e '.[docs]')")
-    spec = importlib.util.spec_from_file_location(
-        "bench_results", ROOT / "docs" / "_hooks" / "bench_results.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("docs/_hooks/bench_results.py")
 
 
 def test_latest_run_per_machine():

@@ -3,19 +3,15 @@ highlighted ``>>>`` code (``Example::`` and ``Example:`` render as blockquoted t
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
+
+from _scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location(
-        "docstring_examples", ROOT / ".ci" / "docstring_examples.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(".ci/docstring_examples.py")
 
 
 def test_no_rst_example_headings_left():

@@ -19,28 +19,21 @@ the model as shipped is also compared, to float32 rounding.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import inspect
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _scripts import load_script
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "hf_causal_lm.py"
-
 
 def _load_example():
-    spec = importlib.util.spec_from_file_location("hf_causal_lm", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/hf_causal_lm.py")
 
 
 hf = _load_example()

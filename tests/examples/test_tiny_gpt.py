@@ -3,7 +3,6 @@ training run whose loss falls, and KV-cache decoding equal to full recomputation
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _scripts import load_script
 
 from arrayattn.nn import KVCache
 
@@ -18,11 +18,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "tiny_gpt.py"
 
 
 def _load_example():
-    spec = importlib.util.spec_from_file_location("tiny_gpt", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/tiny_gpt.py")
 
 
 gpt = _load_example()

@@ -7,23 +7,14 @@ every parameter (torch autograd)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 from _helpers import xp_assert_close
-
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "wan_block.py"
+from _scripts import load_script
 
 
 def _load_example():
-    spec = importlib.util.spec_from_file_location("wan_block", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/wan_block.py")
 
 
 wan = _load_example()
