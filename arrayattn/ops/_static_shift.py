@@ -70,8 +70,8 @@ def bounded(spec: AttentionSpec, qg: Array, kg: Array, vc: Array) -> bool:
     # holding NaN or infinity are left out: their scores are non-finite, and the running
     # maximum of a row with such a score is non-finite too, so the exact path shifts it
     # by 0 as well (same result); the other rows then keep the path a clean call takes.
-    q_norm = xp.sqrt(xp.max(_finite_or_zero(xp, xp.sum(qg * qg, axis=-1)), axis=(-2, -1)))
-    k_norm = xp.sqrt(xp.max(_finite_or_zero(xp, xp.sum(kg * kg, axis=-1)), axis=(-2, -1)))
+    q_norm = xp.max(_finite_or_zero(xp, _row_norms(xp, qg)), axis=(-2, -1))  # (*lead, Hk)
+    k_norm = xp.max(_finite_or_zero(xp, _row_norms(xp, kg)), axis=(-2, -1))
     facts = [xp.max(q_norm * k_norm)]
     if 0 not in tuple(vc.shape):  # max |v| from two reductions (no |v| temporary)
         facts += [xp.max(vc), xp.min(vc)]
@@ -90,6 +90,15 @@ def bounded(spec: AttentionSpec, qg: Array, kg: Array, vc: Array) -> bool:
     if spec.softcap is not None:
         bound = min(bound, spec.softcap)
     return bound + room <= limit  # False for a NaN bound
+
+
+def _row_norms(xp, x: Array) -> Array:
+    """Euclidean norms over the last axis: the array API's ``linalg.vector_norm`` where the
+    library has the extension (no ``x``-sized temporary), else ``sqrt(sum(x * x))``."""
+    linalg = getattr(xp, "linalg", None)
+    if linalg is not None and hasattr(linalg, "vector_norm"):
+        return linalg.vector_norm(x, axis=-1)
+    return xp.sqrt(xp.sum(x * x, axis=-1))
 
 
 def _finite_or_zero(xp, x: Array) -> Array:
