@@ -56,19 +56,19 @@ BLOCK_K: int | None = None
 """Keys per block; ``None`` (the default): chosen per call by :func:`block_sizes`
 (a keyword ``block_k=`` overrides it per call)."""
 
-BLOCK_BYTES = 4 * 2**20
-"""Target size of one block's score matrix over all batches and heads (compute dtype): large
-enough that each array-API call does a lot of work, small enough that the block's
-temporaries stay near the cache and are recycled by the allocator (and at most 1/32 of the
-whole score matrix, since this path exists to bound memory). The scores are shifted and
-exponentiated in place where the library allows it (``_backend.exp_shifted``), so a block
-costs one score-sized array, not three. Measured before the static shift on PyTorch CPU
-tensors (B1 H8 L2048 D64 float32, 2 threads, quiet machine, ratio to SDPA): 128 x 512 blocks
-(2 MiB) 2.19-2.22 full / 2.34-2.38 causal, 256 x 512 (4 MiB) 1.83-1.92 / 2.06-2.19, 256 x
-1024 (8 MiB) 1.83-1.88 / 2.06-2.17, 512 x 512 1.74-1.79 / 2.36-2.62, all keys in one block
-of 2048 2.31 / 6.07. With the static shift and reused buffers (2026-11-23, medians of 9
-interleaved rounds): 128 x 512 1.79 / 1.82, 256 x 512 1.53 / 1.65, 256 x 1024 1.51 / 1.70,
-512 x 512 1.48 / 1.81, 512 x 1024 1.55 / 1.93."""
+BLOCK_BYTES = 8 * 2**20
+"""Target size of one forward block's score matrix over all batches and heads (compute
+dtype; the backward takes a quarter): large enough that each array-API call does a lot of
+work, small enough to bound memory (at most 1/16 of the whole score matrix). The scores
+live in a buffer reused block after block where the library's ``matmul`` takes ``out=``,
+and are masked and exponentiated in place, so a block costs one score-sized array and no
+page faults. Measured on PyTorch CPU tensors (B1 H8 L2048 D64 float32, 2 threads, quiet
+machine, ratio to SDPA, medians of 13 interleaved rounds, two runs, 2026-11-23) with the
+reused buffers: 256 x 512 (4 MiB) 1.50 / 1.53, 512 x 512 (8 MiB) 1.39 / 1.41, 256 x 1024
+1.40 / 1.43, 512 x 1024 1.42 / 1.45; causal (two runs of 9 rounds): 256 x 512 1.69 /
+1.65, 256 x 1024 1.65 / 1.63, 256 x 768 1.65 / 1.61. Before the buffers fresh 8 MiB
+blocks page-faulted on every call, and 4 MiB ones won: 128 x 512 2.19-2.22 full /
+2.34-2.38 causal, 256 x 512 1.83-1.92 / 2.06-2.19, 256 x 1024 1.83-1.88 / 2.06-2.17."""
 MIN_BLOCK_ROWS = 16
 MIN_BLOCK_KEYS = 128
 STRUCTURED_ROW_BLOCKS = 8
@@ -88,11 +88,11 @@ def score_matrix_bytes(spec: AttentionSpec) -> int:
 
 def block_sizes(spec: AttentionSpec, backward: bool = False) -> tuple[int, int]:
     """``(block_q, block_k)`` for a call, from ``L``, ``S``, the batch and heads and the
-    compute dtype: blocks of :data:`BLOCK_BYTES` about twice as wide as tall
-    (``256 x 512`` at 4 MiB over 8 heads: measured faster than ``128 x 512``, all keys in
-    one block or square ``512 x 512`` ones on causal calls), or the whole matrix in one
-    block when it fits. ``E``/``Ev`` only add ``(block_q + block_k) x E``
-    operands.
+    compute dtype: forward blocks of :data:`BLOCK_BYTES` (at most 1/16 of the whole score
+    matrix) about twice as wide as tall or more (``256 x 1024`` at 8 MiB over 8 heads),
+    backward blocks of a quarter of that (at most 1/64: the backward holds several
+    block-sized temporaries at once), or the whole matrix in one block when it fits.
+    ``E``/``Ev`` only add ``(block_q + block_k) x E`` operands.
 
     Examples:
         >>> import numpy as np
@@ -101,13 +101,14 @@ def block_sizes(spec: AttentionSpec, backward: bool = False) -> tuple[int, int]:
         >>> spec = make_spec(q, q, q, None, 0.0, False, None, False, "top_left", None,
         ...                  None, None)
         >>> block_sizes(spec)
-        (256, 512)
+        (256, 1024)
+        >>> block_sizes(spec, backward=True)
+        (128, 512)
     """
     per_pair = max(1, spec.batch_size * spec.Hq) * spec.itemsize
-    # At most 1/32 of the whole score matrix: this path exists to bound memory, and the
-    # backward holds several block-sized temporaries at once.
-    share = 2 if backward else 1
-    budget = min(BLOCK_BYTES // share, max(2**18, score_matrix_bytes(spec) // (32 * share)))
+    # A fraction of the whole score matrix: this path exists to bound memory.
+    share = 4 if backward else 1
+    budget = min(BLOCK_BYTES // share, max(2**18, score_matrix_bytes(spec) // (16 * share)))
     elements = max(1, budget // per_pair)  # scores per (batch, head) in one block
     L, S = max(1, spec.L), max(1, spec.S)
     if L * S <= elements:  # the whole matrix in one block
