@@ -39,7 +39,6 @@ __all__ = [
     "full_scalar",
     "broadcast_shapes",
     "known_shape",
-    "to_float",
     "to_floats",
     "exp_shifted",
     "workspace",
@@ -89,24 +88,11 @@ def is_lazy(xp: Namespace) -> bool:
     return bool(array_api_compat.is_jax_namespace(xp) or array_api_compat.is_dask_namespace(xp))
 
 
-def to_float(x: Array) -> float:
-    """A 0-d array's value as a Python float (a PyTorch tensor is detached first: its
-    autograd warns when a tensor that requires grad becomes a number). Eager libraries
-    only: on JAX or Dask this would trace or compute.
-
-    Examples:
-        >>> import numpy as np
-        >>> to_float(np.asarray(2.5))
-        2.5
-    """
-    if array_api_compat.is_torch_array(x):
-        x = x.detach()
-    return float(x)
-
-
 def to_floats(x: Array) -> list[float]:
     """A 1-D array's values as Python floats, brought to the host in one transfer (one
-    synchronisation on a GPU instead of one per value). Eager libraries only.
+    synchronisation on a GPU instead of one per value; a PyTorch tensor is detached first,
+    as its autograd warns when a tensor that requires grad becomes a number). Eager
+    libraries only: on JAX or Dask this would trace or compute.
 
     Examples:
         >>> import numpy as np
@@ -324,13 +310,21 @@ def where_allowed(xp: Namespace, scratch: Array, allowed: Array, fill: Array) ->
     return xp.where(allowed, scratch, fill)
 
 
-def workspace(xp: Namespace, size: int, dtype: Any, device: Any, enabled: bool = True):
+def workspace(
+    xp: Namespace, size: int, dtype: Any, device: Any, enabled: bool = True
+) -> Array | None:
     """A flat scratch buffer of ``size`` elements for :func:`matmul_into`, or ``None``
     where the library's ``matmul`` takes no ``out=`` (or ``enabled`` is False: PyTorch
     autograd does not follow ``out=``). Why: a block loop that allocates a fresh
     score-sized product per block makes the allocator grow and trim its heap over and
     over, and every page it gets back faults on first touch (measured on PyTorch CPU
-    tensors: 2,000-27,000 faults and up to 30% of a chunked call)."""
+    tensors: 2,000-27,000 faults and up to 30% of a chunked call).
+
+    Examples:
+        >>> import numpy as np
+        >>> workspace(np, 4, np.float32, "cpu").shape
+        (4,)
+    """
     if not enabled or size <= 0:
         return None
     probe = xp.empty((0,), dtype=dtype, device=device)
