@@ -27,13 +27,20 @@ import math
 from .._backend import Array, is_lazy, to_floats
 from ._attention_spec import AttentionSpec
 
-__all__ = ["LIMIT", "TINY", "limit_and_tiny", "bounded"]
+__all__ = ["LIMIT", "TINY", "MIN_ROWS", "limit_and_tiny", "bounded"]
 
 LIMIT = {32: 80.0, 64: 690.0}
 """Largest ``bound + room`` by compute-dtype bits: ``exp`` overflows above ~88.7 in
 float32 and ~709.8 in float64."""
 TINY = {32: 1e-25, 64: 1e-280}
 """A static-path row sum below this may have lost precision to underflow."""
+MIN_ROWS = 128
+"""Query rows per KV head (GQA group times ``L``) from which the chunked path bounds the
+scores: the bound reads all of K and V (their norms and range), which pays for itself by
+the passes it saves over each block's scores only when many query rows share those keys;
+decode (a few rows over a long cache) is memory-bound, and the extra reads cost what the
+attention itself does. The NumPy fast path's per-tile rule is
+``_fast_forward.STATIC_MIN_ROWS``."""
 
 
 def limit_and_tiny(xp, cdtype) -> tuple[float, float]:
@@ -51,7 +58,7 @@ def bounded(spec: AttentionSpec, qg: Array, kg: Array, vc: Array) -> bool:
     Examples:
         >>> import numpy as np
         >>> from arrayattn.ops._attention_spec import make_spec
-        >>> q = np.ones((1, 1, 4, 8), np.float32)
+        >>> q = np.ones((1, 1, 128, 8), np.float32)
         >>> spec = make_spec(q, q, q, None, 0.0, False, None, False, "top_left", None,
         ...                  None, None)
         >>> qg, kg = spec.group_query(q) / 8 ** 0.5, spec.group_kv(q, spec.k_shape)
@@ -62,6 +69,8 @@ def bounded(spec: AttentionSpec, qg: Array, kg: Array, vc: Array) -> bool:
     """
     xp = spec.xp
     if is_lazy(xp) or spec.mask_kind == "float":
+        return False
+    if spec.G * spec.L < MIN_ROWS:  # decode-shaped: the bound would cost what it saves
         return False
     if 0 in tuple(qg.shape) or 0 in tuple(kg.shape):
         return False  # nothing to bound (the callers handle empty calls apart)

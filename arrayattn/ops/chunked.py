@@ -89,10 +89,13 @@ def score_matrix_bytes(spec: AttentionSpec) -> int:
 def block_sizes(spec: AttentionSpec, backward: bool = False) -> tuple[int, int]:
     """``(block_q, block_k)`` for a call, from ``L``, ``S``, the batch and heads and the
     compute dtype: forward blocks of :data:`BLOCK_BYTES` (at most 1/16 of the whole score
-    matrix) about twice as wide as tall or more (``256 x 1024`` at 8 MiB over 8 heads),
-    backward blocks of a quarter of that (at most 1/64: the backward holds several
+    matrix, at least 1 MiB) about twice as wide as tall or more (``256 x 1024`` at 8 MiB
+    over 8 heads), backward blocks of a quarter of that (the backward holds several
     block-sized temporaries at once), or the whole matrix in one block when it fits.
-    ``E``/``Ev`` only add ``(block_q + block_k) x E`` operands.
+    Causal and windowed prefill gets at least 8 row blocks and key blocks at most four
+    row blocks wide; a few query rows (decode) keep wide key blocks (1 x 8192 for 32
+    heads over 16384 keys: 2 blocks, where 128-key blocks made 128 and took twice the
+    composed path's time). ``E``/``Ev`` only add ``(block_q + block_k) x E`` operands.
 
     Examples:
         >>> import numpy as np
@@ -106,9 +109,10 @@ def block_sizes(spec: AttentionSpec, backward: bool = False) -> tuple[int, int]:
         (128, 512)
     """
     per_pair = max(1, spec.batch_size * spec.Hq) * spec.itemsize
-    # A fraction of the whole score matrix: this path exists to bound memory.
+    # A fraction of the whole score matrix (this path exists to bound memory), but never
+    # below 1 MiB (256 KiB in the backward): smaller blocks only add Python-level steps.
     share = 4 if backward else 1
-    budget = min(BLOCK_BYTES // share, max(2**18, score_matrix_bytes(spec) // (16 * share)))
+    budget = min(BLOCK_BYTES, max(2**20, score_matrix_bytes(spec) // 16)) // share
     elements = max(1, budget // per_pair)  # scores per (batch, head) in one block
     L, S = max(1, spec.L), max(1, spec.S)
     if L * S <= elements:  # the whole matrix in one block
@@ -117,10 +121,11 @@ def block_sizes(spec: AttentionSpec, backward: bool = False) -> tuple[int, int]:
         # Powers of two for the rows, multiples of 128 for the keys: BLAS-friendly sizes.
         bq = min(L, max(MIN_BLOCK_ROWS, 1 << (max(1, math.isqrt(elements // 2)).bit_length() - 1)))
         bk = min(S, max(MIN_BLOCK_KEYS, elements // bq // MIN_BLOCK_KEYS * MIN_BLOCK_KEYS))
-    if not spec.structure.is_trivial:
+    if not spec.structure.is_trivial and L > MIN_BLOCK_ROWS:
         # Skipping works per block: causal/windowed calls use several row blocks (the
         # forward trims each to the keys its rows see; the backward's key grid is
-        # kept within a few row blocks' width).
+        # kept within a few row blocks' width). A few query rows (decode) are one row
+        # block whose keys need no such grid.
         bq = min(bq, max(MIN_BLOCK_ROWS, -(-L // STRUCTURED_ROW_BLOCKS)))
         bk = min(bk, max(MIN_BLOCK_KEYS, 4 * bq))
     return bq, bk

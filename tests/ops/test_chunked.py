@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import arrayattn as aa
-from arrayattn.ops import _composed, chunked
+from arrayattn.ops import _composed, _static_shift, chunked
 from arrayattn.ops._attention_spec import make_spec
 from arrayattn.ops.attention import _REGISTRY, _select, auto_choice
 
@@ -131,10 +131,14 @@ def _reference(c: dict, q, k, v, m):
     return out, lse
 
 
+@pytest.mark.parametrize("static_min_rows", [None, 1])
 @SETTINGS
 @given(c=cases())
-def test_forward_matches_composed_and_reference(backend, c):
+def test_forward_matches_composed_and_reference(backend, c, static_min_rows, monkeypatch):
+    # static_min_rows=1: these small calls take the static shift where the bound allows.
     skip_slow(backend)
+    if static_min_rows is not None:
+        monkeypatch.setattr(_static_shift, "MIN_ROWS", static_min_rows)
     rng = np.random.default_rng(c["seed"] % 1000)
     arrays = _inputs(c, rng)
     exp_out, exp_lse = _reference(c, *arrays)

@@ -19,6 +19,13 @@ from arrayattn.ops._attention_spec import make_spec
 EAGER = ("numpy", "array_api_strict", "array_api_strict_device1", "torch", "cupy")
 
 
+@pytest.fixture(autouse=True)
+def _small_calls_too(monkeypatch):
+    """The tests' calls are small: let them take the static shift (decode-shaped calls
+    are tested apart, in test_decode_shaped_calls_keep_the_running_max)."""
+    monkeypatch.setattr(_static_shift, "MIN_ROWS", 1)
+
+
 def _spec(q, k, v, mask=None, **options):
     return make_spec(
         q,
@@ -28,7 +35,7 @@ def _spec(q, k, v, mask=None, **options):
         0.0,
         options.pop("is_causal", False),
         None,
-        False,
+        options.pop("enable_gqa", False),
         "top_left",
         None,
         options.pop("softcap", None),
@@ -66,6 +73,22 @@ def test_bound_decisions():
     assert _bounded(q, nan_k, v)
     nan_k[0, 0, 5, :] = 1e4
     assert not _bounded(q, nan_k, v)
+
+
+def test_decode_shaped_calls_keep_the_running_max(monkeypatch):
+    # Few query rows per KV head over long keys: the bound's passes over K and V would
+    # cost as much as the memory-bound attention itself.
+    monkeypatch.setattr(_static_shift, "MIN_ROWS", 128)
+    rng = np.random.default_rng(0)
+    kv = rng.standard_normal((1, 2, 64, 8)).astype(np.float32)
+    q = rng.standard_normal((1, 8, 15, 8)).astype(np.float32)  # G * L = 4 * 15 = 60
+    spec = _spec(q, kv, kv, enable_gqa=True)
+    qg, kg = spec.group_query(q) * spec.scale, spec.group_kv(kv, spec.k_shape)
+    assert not _static_shift.bounded(spec, qg, kg, kg)
+    q = rng.standard_normal((1, 8, 32, 8)).astype(np.float32)  # 4 * 32 = 128
+    spec = _spec(q, kv, kv, enable_gqa=True)
+    qg = spec.group_query(q) * spec.scale
+    assert _static_shift.bounded(spec, qg, kg, kg)
 
 
 def test_lazy_libraries_never_take_it():
