@@ -93,9 +93,10 @@ def block_sizes(spec: AttentionSpec, backward: bool = False) -> tuple[int, int]:
     over 8 heads), backward blocks of a quarter of that (the backward holds several
     block-sized temporaries at once), or the whole matrix in one block when it fits.
     Causal and windowed prefill gets at least 8 row blocks and key blocks at most four
-    row blocks wide; a few query rows (decode) keep wide key blocks (1 x 8192 for 32
-    heads over 16384 keys: 2 blocks, where 128-key blocks made 128 and took twice the
-    composed path's time). ``E``/``Ev`` only add ``(block_q + block_k) x E`` operands.
+    row blocks wide; a few query rows (decode) take all keys in one block up to
+    :data:`BLOCK_BYTES` (32 heads over 16384 keys: one block, where 128-key blocks made
+    128 and took twice the composed path's time). ``E``/``Ev`` only add
+    ``(block_q + block_k) x E`` operands.
 
     Examples:
         >>> import numpy as np
@@ -111,8 +112,12 @@ def block_sizes(spec: AttentionSpec, backward: bool = False) -> tuple[int, int]:
     per_pair = max(1, spec.batch_size * spec.Hq) * spec.itemsize
     # A fraction of the whole score matrix (this path exists to bound memory), but never
     # below 1 MiB (256 KiB in the backward): smaller blocks only add Python-level steps.
+    # A few query rows (decode) take BLOCK_BYTES: their scores are small at any S, and
+    # the Python work per call should not grow with S.
     share = 4 if backward else 1
-    budget = min(BLOCK_BYTES, max(2**20, score_matrix_bytes(spec) // 16)) // share
+    whole = score_matrix_bytes(spec)
+    fraction = whole // 16 if spec.L > MIN_BLOCK_ROWS else BLOCK_BYTES
+    budget = min(BLOCK_BYTES, max(2**20, fraction)) // share
     elements = max(1, budget // per_pair)  # scores per (batch, head) in one block
     L, S = max(1, spec.L), max(1, spec.S)
     if L * S <= elements:  # the whole matrix in one block
