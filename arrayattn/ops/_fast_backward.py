@@ -46,12 +46,18 @@ class _FwdState:
         self.bool = _Scratch(rows, keys, np.bool_)
 
 
-def _scores(spec, lay, st, structure, b, h, hk, r0, r1, c0, c1, q_t, s):
-    """Final masked scores of rows ``[r0, r1)`` x keys ``[c0, c1)`` into ``s`` (in place)."""
-    np.matmul(q_t, lay.k[b + (hk, slice(c0, c1))].T, out=s)
-    if spec.softcap is not None:
-        np.tanh(s, out=s)
-        np.multiply(s, spec.softcap, out=s)
+def _scores(spec, lay, st, structure, b, h, hk, r0, r1, c0, c1, q_t, s, tanh=None):
+    """Final masked scores of rows ``[r0, r1)`` x keys ``[c0, c1)`` into ``s`` (in place);
+    with a softcap, ``tanh(S / softcap)`` is kept in ``tanh`` when given (the backward's
+    chain rule needs it)."""
+    k_blk = lay.k[b + (hk, slice(c0, c1))]
+    if spec.softcap is None:
+        np.matmul(q_t, k_blk.T, out=s)
+    else:
+        t = s if tanh is None else tanh
+        np.matmul(q_t, k_blk.T, out=t)
+        np.tanh(t, out=t)
+        np.multiply(t, spec.softcap, out=s)
     _add_alibi(lay, structure, b, h, r0, r1, c0, c1, s)
     if lay.mask is not None:
         m = lay.mask[b + (h, slice(r0, r1), slice(c0, c1))]
@@ -389,31 +395,13 @@ def _backward_block(spec, ctx, st, structure, bi, b, h, hk, r0, r1, c0, c1, dq, 
         a = ctx["a_static"][row]
     else:
         a = None if ctx["inv_total"] is None else ctx["inv_total"][row]
-    k_blk = lay.k[b + (hk, slice(c0, c1))]
     v_blk = lay.v_op[b + (hk, slice(c0, c1))]
 
     # Scores (softcap keeps tanh in st.t for the chain rule).
     q_t = _scaled_query(spec, lay, b, h, r0, r1, st.q[:n])
     e = st.e[:n, :w]
-    if spec.softcap is not None:
-        t = st.t[:n, :w]
-        np.matmul(q_t, k_blk.T, out=t)
-        np.tanh(t, out=t)
-        np.multiply(t, spec.softcap, out=e)
-    else:
-        np.matmul(q_t, k_blk.T, out=e)
-    _add_alibi(lay, structure, b, h, r0, r1, c0, c1, e)
-    if lay.mask is not None:
-        m = lay.mask[b + (h, slice(r0, r1), slice(c0, c1))]
-        if spec.mask_kind == "float":
-            np.add(e, m, out=e)
-        else:
-            np.copyto(e, -np.inf, where=np.logical_not(m, out=st.bool[:n, :w]))
-        if lay.qk_garbage:  # garbage score + (-inf) is NaN: -inf still excludes
-            np.copyto(e, -np.inf, where=np.isneginf(m))
-    blocked = _blocked_out(structure, r0, r1, c0, c1)
-    if blocked is not None:
-        np.copyto(e, -np.inf, where=blocked)
+    tanh = None if spec.softcap is None else st.t[:n, :w]
+    _scores(spec, lay, st, structure, b, h, hk, r0, r1, c0, c1, q_t, e, tanh)
     if spec.softcap is not None and (lay.k_op is not lay.k or lay.q_op is not lay.q):
         np.copyto(st.t[:n, :w], 0.0, where=np.isneginf(e))  # tanh of a garbage score
     if not static:
