@@ -266,11 +266,7 @@ def exp_shifted(xp: Namespace, scratch: Array, shift: Array | None) -> Array:
         return xp.exp(scratch - shift)  # the result is larger than the scratch
     if array_api_compat.is_torch_array(scratch) and not scratch.requires_grad:
         return (scratch if shift is None else scratch.sub_(shift)).exp_()
-    ufuncs = None  # a library whose ufuncs take out=
-    if array_api_compat.is_numpy_array(scratch) and scratch.flags.writeable:
-        import numpy as ufuncs
-    elif array_api_compat.is_cupy_array(scratch):
-        import cupy as ufuncs
+    ufuncs = _out_library(scratch)
     if ufuncs is not None:
         if shift is not None:
             ufuncs.subtract(scratch, shift, out=scratch)
@@ -297,17 +293,11 @@ def where_allowed(xp: Namespace, scratch: Array, allowed: Array, fill: Array) ->
         if scratch.requires_grad:  # autograd may need the scores as they are
             return xp.where(allowed, scratch, fill)
         return scratch.masked_fill_(allowed.logical_not(), fill)
-    if array_api_compat.is_numpy_array(scratch) and scratch.flags.writeable:
-        import numpy
-
-        numpy.copyto(scratch, fill, where=numpy.logical_not(allowed))
-        return scratch
-    if array_api_compat.is_cupy_array(scratch):
-        import cupy
-
-        cupy.copyto(scratch, fill, where=cupy.logical_not(allowed))
-        return scratch
-    return xp.where(allowed, scratch, fill)
+    lib = _out_library(scratch)
+    if lib is None:
+        return xp.where(allowed, scratch, fill)
+    lib.copyto(scratch, fill, where=lib.logical_not(allowed))
+    return scratch
 
 
 def workspace(
@@ -328,13 +318,26 @@ def workspace(
     if not enabled or size <= 0:
         return None
     probe = xp.empty((0,), dtype=dtype, device=device)
-    if not (
-        array_api_compat.is_torch_array(probe)
-        or array_api_compat.is_numpy_array(probe)
-        or array_api_compat.is_cupy_array(probe)
-    ):
+    if not (array_api_compat.is_torch_array(probe) or _out_library(probe) is not None):
         return None
     return xp.empty((size,), dtype=dtype, device=device)
+
+
+def _out_library(x: Array) -> Any:
+    """NumPy or CuPy when ``x`` is one of their arrays that may be written, else
+    ``None``: their functions write results into an array the caller names (``out=``,
+    ``copyto(where=)``), which the array API has no way to ask for."""
+    if array_api_compat.is_numpy_array(x):
+        if not x.flags.writeable:
+            return None
+        import numpy
+
+        return numpy
+    if array_api_compat.is_cupy_array(x):
+        import cupy
+
+        return cupy
+    return None
 
 
 def matmul_into(xp: Namespace, a: Array, b: Array, scratch: Array | None) -> Array:
@@ -363,15 +366,8 @@ def matmul_into(xp: Namespace, a: Array, b: Array, scratch: Array | None) -> Arr
         import torch
 
         return torch.matmul(a, b, out=out)
-    if array_api_compat.is_numpy_array(out):
-        import numpy
-
-        return numpy.matmul(a, b, out=out)
-    if array_api_compat.is_cupy_array(out):
-        import cupy
-
-        return cupy.matmul(a, b, out=out)
-    return xp.matmul(a, b)
+    lib = _out_library(out)
+    return xp.matmul(a, b) if lib is None else lib.matmul(a, b, out=out)
 
 
 class NumpyBridge:
