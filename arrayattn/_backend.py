@@ -315,12 +315,39 @@ def workspace(
         >>> workspace(np, 4, np.float32, "cpu").shape
         (4,)
     """
-    if not enabled or size <= 0:
-        return None
-    probe = xp.empty((0,), dtype=dtype, device=device)
-    if not (array_api_compat.is_torch_array(probe) or _out_library(probe) is not None):
+    if not enabled or size <= 0 or not writes_in_place(xp, dtype, device):
         return None
     return xp.empty((size,), dtype=dtype, device=device)
+
+
+def writes_in_place(xp: Namespace, dtype: Any, device: Any) -> bool:
+    """True when the library's new arrays of ``dtype`` on ``device`` can be written
+    through a view (NumPy, CuPy, PyTorch): :func:`where_allowed` then masks a slice of a
+    block in place. The caller rules out PyTorch tensors that autograd records.
+
+    Examples:
+        >>> import numpy as np
+        >>> writes_in_place(np, np.float32, "cpu")
+        True
+    """
+    probe = xp.empty((0,), dtype=dtype, device=device)
+    return array_api_compat.is_torch_array(probe) or _out_library(probe) is not None
+
+
+def row_sums_by_product(xp: Namespace) -> bool:
+    """Whether the softmax's row sums should come out of the ``P @ V`` product as a
+    column of ones appended to ``V`` (True) or from a separate ``sum`` (False). Why:
+    PyTorch's CPU ``bmm`` loses 15% on an odd width (8 heads x 256 x 512 @ 512 x 65:
+    0.82 ms against 0.70 for 64 columns) while its row ``sum`` of the block takes 0.07
+    ms; NumPy's OpenBLAS loses 0.05 ms on the extra column and its ``sum`` takes 0.16
+    (2-core VM, float32, 2026-11-23). Other libraries keep the column (unmeasured).
+
+    Examples:
+        >>> import numpy as np
+        >>> row_sums_by_product(np)
+        True
+    """
+    return library_name(xp) != "torch"
 
 
 def _out_library(x: Array) -> Any:

@@ -23,6 +23,7 @@ from .._backend import (
     full_scalar,
     is_lazy,
     matmul_into,
+    row_sums_by_product,
     sum_to_shape,
     to_floats,
     where_allowed,
@@ -246,12 +247,14 @@ class ValueColumns:
 def value_columns(spec: AttentionSpec, vc: Array, bad: Array | None) -> tuple[Array, ValueColumns]:
     """Values extended by a column of ones (the row sums of ``P`` come out of the ``P V``
     product: a pass over the scores fewer) and the :func:`value_operands` indicator of
-    non-finite value rows, so one product gives all three. Without dropout only: there
-    the sums are of the undropped probabilities."""
+    non-finite value rows, so one product gives all three. The ones only without
+    dropout (there the sums are of the undropped probabilities) and where
+    :func:`~arrayattn._backend.row_sums_by_product` says the product is the cheaper way;
+    otherwise ``total`` is ``None`` and callers sum ``P`` themselves."""
     xp = spec.xp
     cols = [vc]
     total = None
-    if spec.dropout_p == 0:
+    if spec.dropout_p == 0 and row_sums_by_product(xp):
         total = spec.Ev
         cols.append(xp.ones(tuple(vc.shape[:-1]) + (1,), dtype=vc.dtype, device=spec.device))
     at_bad = None
