@@ -341,6 +341,46 @@ def test_structure_skips_key_blocks(opts, expected):
     assert visited == expected
 
 
+@pytest.mark.parametrize(
+    ("opts", "widest"),
+    [
+        (dict(is_causal=True), 16),  # each row block's diagonal: 16 columns (15 masked)
+        (dict(is_causal=True, causal_align="bottom_right"), 16),
+        (dict(window=(20, 3)), 16),  # both edges of a band, each at most a row block wide
+    ],
+)
+def test_band_edges_are_masked_alone_and_in_place(backend, opts, widest, monkeypatch):
+    """Where the library writes through views, a block that crosses the band's edge is
+    masked on the crossed columns only (its inside is never tested) and the result is
+    the composed path's. Elsewhere (JAX, Dask, array-api-strict) whole blocks are tested."""
+    skip_slow(backend)
+    widths = []
+    masked = chunked.where_allowed
+
+    def spy(xp, scratch, allowed, fill):
+        widths.append(int(scratch.shape[-1]))
+        return masked(xp, scratch, allowed, fill)
+
+    monkeypatch.setattr(chunked, "where_allowed", spy)
+    rng = np.random.default_rng(3)
+    q = backend.asarray(rng.standard_normal((2, 2, 64, 8)))
+    k = backend.asarray(rng.standard_normal((2, 2, 80, 8)))
+    v = backend.asarray(rng.standard_normal((2, 2, 80, 8)))
+    a = opts.get("causal_align", "top_left")
+    spec = make_spec(
+        q, k, v, None, 0.0, opts.get("is_causal", False), None, False, a,
+        opts.get("window"), None, None,
+    )  # fmt: skip
+    out, lse = chunked.forward(spec, q, k, v, None, block_q=16, block_k=80)
+    c_out, c_lse = _composed.forward(spec, q, k, v, None)
+    xp_assert_close(backend, out, backend.to_numpy(c_out), dtype="float64")
+    xp_assert_close(backend, lse, backend.to_numpy(c_lse), dtype="float64")
+    if backend.name in ("numpy", "torch", "cupy"):
+        assert widths and max(widths) <= widest, widths
+    else:
+        assert widths == []  # the whole-block test inside scores_block instead
+
+
 def test_memory_is_blockwise():
     """Forward + backward never hold an L x S array (16 MiB here)."""
     L = 2048
