@@ -208,34 +208,44 @@ def _chunked_blocks(q, k, v, causal: bool) -> tuple[int, int]:
 
 def _online_softmax_floor(torch, q, k, v, causal: bool, blocks: tuple[int, int]):
     """The least any array-API formulation of the chunked path does, written in the
-    library's own ops: per block one product for the scores (into a reused buffer),
-    ``exp`` in place (the static shift: no row max, no rescale), one product with
-    ``[V | 1]`` (the row sums as its last column) and the accumulation; causal blocks
-    past the diagonal skipped and the diagonal ones masked in place. No masks, lengths,
-    bound check, garbage handling or checks: what the chunked path costs beyond this is
-    its generality."""
+    library's own ops: per block one product for the scores (into a reused buffer), the
+    causal diagonal's columns given a cached 0/-inf bias in place, ``exp`` in place (the
+    static shift: no row max, no rescale), the row sums and one product with ``V``, and
+    the accumulation; one normalisation at the end. Keys past the diagonal are never
+    computed. No masks, lengths, bound check, garbage handling or checks: what the
+    chunked path costs beyond this is its generality."""
     bq, bk = blocks
     L, S = q.shape[-2], k.shape[-2]
     scale = q.shape[-1] ** -0.5
-    outs = []
+    accs, sums, biases = [], [], {}
     with torch.no_grad():
-        v1 = torch.cat([v, torch.ones(v.shape[:-1] + (1,), dtype=v.dtype)], -1)
         s_buf = torch.empty(q.shape[:-2].numel() * bq * bk, dtype=q.dtype)
         for r0 in range(0, L, bq):
             r1 = min(r0 + bq, L)
             qb = q[..., r0:r1, :] * scale
-            acc = None
+            acc = total = None
             for c0 in range(0, r1 if causal else S, bk):
                 c1 = min(c0 + bk, r1 if causal else S)
                 s = s_buf[: qb.shape[:-1].numel() * (c1 - c0)].view(qb.shape[:-1] + (c1 - c0,))
                 torch.matmul(qb, k[..., c0:c1, :].mT, out=s)
-                if causal and c1 > r0 + 1:
-                    rows = torch.arange(r0, r1).unsqueeze(-1)
-                    s.masked_fill_(torch.arange(c0, c1) > rows, float("-inf"))
-                pv = s.exp_() @ v1[..., c0:c1, :]
+                if causal and c1 > r0 + 1:  # the diagonal's columns [max(c0, r0), c1)
+                    e0 = max(c0, r0)
+                    key = (r1 - r0, e0 - r0, c1 - r0)
+                    if key not in biases:
+                        rows = torch.arange(r0, r1).unsqueeze(-1)
+                        cut = torch.arange(e0, c1) > rows
+                        biases[key] = torch.zeros(cut.shape, dtype=q.dtype).masked_fill_(
+                            cut, float("-inf")
+                        )
+                    s[..., e0 - c0 :].add_(biases[key])
+                p = s.exp_()
+                t = p.sum(-1, keepdim=True)
+                pv = p @ v[..., c0:c1, :]
                 acc = pv if acc is None else acc.add_(pv)
-            outs.append(acc[..., :-1] / acc[..., -1:])
-    return torch.cat(outs, -2)
+                total = t if total is None else total.add_(t)
+            accs.append(acc)
+            sums.append(total)
+    return torch.cat(accs, -2) / torch.cat(sums, -2)
 
 
 def _jax_calls(q, k, v, causal: bool) -> dict[str, Callable[[], Any]]:

@@ -23,11 +23,12 @@ libraries that run eagerly: deciding needs the bound's value).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from .._backend import Array, is_lazy, to_floats
 from ._attention_spec import AttentionSpec
 
-__all__ = ["LIMIT", "TINY", "MIN_ROWS", "limit_and_tiny", "bounded"]
+__all__ = ["LIMIT", "TINY", "MIN_ROWS", "ScoreBound", "limit_and_tiny", "bounded"]
 
 LIMIT = {32: 80.0, 64: 690.0}
 """Largest ``bound + room`` by compute-dtype bits: ``exp`` overflows above ~88.7 in
@@ -49,11 +50,31 @@ def limit_and_tiny(xp, cdtype) -> tuple[float, float]:
     return LIMIT[bits], TINY[bits]
 
 
-def bounded(spec: AttentionSpec, qg: Array, kg: Array, vc: Array) -> bool:
-    """Whether the call may take the static shift: ``qg`` the grouped query already
-    multiplied by the scale, ``kg`` the grouped keys and ``vc`` the values with non-finite
-    entries cleared, all in the compute dtype. Always ``False`` on lazy libraries (JAX,
-    Dask), where no Python decision may be taken on values.
+@dataclass(frozen=True)
+class ScoreBound:
+    """What :func:`bounded` learnt about a call's scores."""
+
+    static: bool
+    """The call may take the static shift."""
+    finite: bool = False
+    """With ``static``: every score of the call (before masking) is finite, since every
+    query and key entry is and no partial sum of a product can overflow. A block's
+    masked pairs may then be removed by adding ``-inf`` (no ``NaN`` to replace)."""
+
+
+NONE = ScoreBound(False)
+
+_FINITE_PRODUCT = 1e30
+"""Largest ``max|q_i| * max|k_j|`` (scale included) taken to rule out an overflowing
+partial sum of a score product (float32 overflows at 3.4e38)."""
+
+
+def bounded(spec: AttentionSpec, qg: Array, kg: Array, vc: Array) -> ScoreBound:
+    """Whether the call may take the static shift (``.static``), and whether all its
+    scores are finite (``.finite``): ``qg`` the grouped query already multiplied by the
+    scale, ``kg`` the grouped keys and ``vc`` the values with non-finite entries cleared,
+    all in the compute dtype. Never static on lazy libraries (JAX, Dask), where no Python
+    decision may be taken on values.
 
     Examples:
         >>> import numpy as np
@@ -63,42 +84,46 @@ def bounded(spec: AttentionSpec, qg: Array, kg: Array, vc: Array) -> bool:
         ...                  None, None)
         >>> qg, kg = spec.group_query(q) / 8 ** 0.5, spec.group_kv(q, spec.k_shape)
         >>> bounded(spec, qg, kg, kg)
-        True
-        >>> bounded(spec, qg * 100, kg, kg)  # scores up to 800: exp would overflow
+        ScoreBound(static=True, finite=True)
+        >>> bounded(spec, qg * 100, kg, kg).static  # scores up to 800: exp would overflow
         False
     """
     xp = spec.xp
     if is_lazy(xp) or spec.mask_kind == "float":
-        return False
+        return NONE
     if spec.G * spec.L < MIN_ROWS:  # decode-shaped: the bound would cost what it saves
-        return False
+        return NONE
     if 0 in tuple(qg.shape) or 0 in tuple(kg.shape):
-        return False  # nothing to bound (the callers handle empty calls apart)
+        return NONE  # nothing to bound (the callers handle empty calls apart)
     limit, _ = limit_and_tiny(xp, spec.cdtype)
     # max_i |q_i| * max_j |k_j| per KV head: the largest bound of any row decides. Rows
     # holding NaN or infinity are left out: their scores are non-finite, and the running
     # maximum of a row with such a score is non-finite too, so the exact path shifts it
     # by 0 as well (same result); the other rows then keep the path a clean call takes.
-    q_norm = xp.max(_finite_or_zero(xp, _row_norms(xp, qg)), axis=(-2, -1))  # (*lead, Hk)
-    k_norm = xp.max(_finite_or_zero(xp, _row_norms(xp, kg)), axis=(-2, -1))
-    facts = [xp.max(q_norm * k_norm)]
+    q_rows, k_rows = _row_norms(xp, qg), _row_norms(xp, kg)
+    q_norm = xp.max(_finite_or_zero(xp, q_rows), axis=(-2, -1))  # (*lead, Hk)
+    k_norm = xp.max(_finite_or_zero(xp, k_rows), axis=(-2, -1))
+    # The bound, and the largest norms of all rows (NaN or inf when any entry is).
+    facts = [xp.max(q_norm * k_norm), xp.max(q_rows), xp.max(k_rows)]
     if 0 not in tuple(vc.shape):  # max |v| from two reductions (no |v| temporary)
         facts += [xp.max(vc), xp.min(vc)]
     if spec.alibi_g is not None:
         facts.append(xp.astype(xp.min(spec.alibi_g), facts[0].dtype))
     values = to_floats(xp.stack(facts))  # one transfer (one GPU synchronisation)
-    bound, rest = values[0], values[1:]
+    bound, q_max, k_max, rest = values[0], values[1], values[2], values[3:]
     if spec.alibi_g is not None and not rest.pop() >= 0.0:  # a slope < 0 raises scores
-        return False
+        return NONE
     v_max = 0.0
     if rest:
         if not all(math.isfinite(e) for e in rest):
-            return False
+            return NONE
         v_max = max(abs(e) for e in rest)
     room = math.log(max(spec.S, 1)) + math.log(max(v_max, 1.0))
     if spec.softcap is not None:
         bound = min(bound, spec.softcap)
-    return bound + room <= limit  # False for a NaN bound
+    if not bound + room <= limit:  # (also for a NaN bound)
+        return NONE
+    return ScoreBound(True, q_max * k_max <= _FINITE_PRODUCT)  # False for NaN or inf
 
 
 def _row_norms(xp, x: Array) -> Array:

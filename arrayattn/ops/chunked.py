@@ -32,6 +32,7 @@ blocks would exceed :data:`AUTO_CHUNK_BYTES`.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from .._backend import (
     Array,
@@ -66,19 +67,23 @@ BLOCK_K: int | None = None
 """Keys per block; ``None`` (the default): chosen per call by :func:`block_sizes`
 (a keyword ``block_k=`` overrides it per call)."""
 
-BLOCK_BYTES = 8 * 2**20
+BLOCK_BYTES = 16 * 2**20
 """Target size of one forward block's score matrix over all batches and heads (compute
-dtype; the backward takes a quarter): large enough that each array-API call does a lot of
-work, small enough to bound memory (at most 1/16 of the whole score matrix). The scores
-live in a buffer reused block after block where the library's ``matmul`` takes ``out=``,
-and are masked and exponentiated in place, so a block costs one score-sized array and no
-page faults. Measured on PyTorch CPU tensors (B1 H8 L2048 D64 float32, 2 threads, quiet
-machine, ratio to SDPA, medians of 13 interleaved rounds, two runs, 2026-11-23) with the
-reused buffers: 256 x 512 (4 MiB) 1.50 / 1.53, 512 x 512 (8 MiB) 1.39 / 1.41, 256 x 1024
-1.40 / 1.43, 512 x 1024 1.42 / 1.45; causal (two runs of 9 rounds): 256 x 512 1.69 /
-1.65, 256 x 1024 1.65 / 1.63, 256 x 768 1.65 / 1.61. Before the buffers fresh 8 MiB
-blocks page-faulted on every call, and 4 MiB ones won: 128 x 512 2.19-2.22 full /
-2.34-2.38 causal, 256 x 512 1.83-1.92 / 2.06-2.19, 256 x 1024 1.83-1.88 / 2.06-2.17."""
+dtype): large enough that each array-API call does a lot of work, small enough to bound
+memory (at most 1/8 of the whole score matrix). The scores live in a buffer reused block
+after block where the library's ``matmul`` takes ``out=``, and are masked and
+exponentiated in place, so a block costs one score-sized array and no page faults. Each
+array-API call may also wake the library's threads (PyTorch under
+``OMP_WAIT_POLICY=PASSIVE``: ~50 us for a ``log`` of 2,048 numbers, against 3 us with
+spinning threads), so fewer, larger blocks win. Measured on PyTorch CPU tensors (float32,
+2 threads, quiet machine, ratio to SDPA, medians of 9-11 interleaved rounds, 2026-11-23):
+B1 H8 L2048 D64 256 x 1024 (8 MiB) 1.31, 512 x 1024 (16 MiB) 1.24, 512 x 2048 1.46; B1
+H16 L2048 256 x 512 1.31, 256 x 1024 1.23; causal, rows stacked over all keys (see
+:func:`block_sizes`): B1 H8 L4096 256 x 1024 1.48, 128 x 4096 1.34; B1 H16 L2048 256 x
+1024 1.38, 128 x 2048 1.27, 256 x 2048 1.58."""
+BACKWARD_BLOCK_BYTES = 2 * 2**20
+"""Target size of one backward block's score matrix (at most 1/64 of the whole): the
+backward holds several block-sized temporaries at once."""
 MIN_BLOCK_ROWS = 16
 MIN_BLOCK_KEYS = 128
 STRUCTURED_ROW_BLOCKS = 8
@@ -98,17 +103,18 @@ def score_matrix_bytes(spec: AttentionSpec) -> int:
 
 def block_sizes(spec: AttentionSpec, backward: bool = False) -> tuple[int, int]:
     """``(block_q, block_k)`` for a call, from ``L``, ``S``, the batch and heads and the
-    compute dtype: forward blocks of :data:`BLOCK_BYTES` (at most 1/16 of the whole score
-    matrix, at least 1 MiB) about twice as wide as tall or more (``256 x 1024`` at 8 MiB
-    over 8 heads), backward blocks of a quarter of that (the backward holds several
-    block-sized temporaries at once), or the whole matrix in one block when it fits.
-    Causal and windowed prefill gets at least 8 row blocks; its forward key blocks are
-    twice as wide (each row block's are trimmed to the band, so a causal block is half
-    full on average: B1 H16 L1024 D64 causal on PyTorch, 128 x 512 blocks took 1.44x
-    SDPA's time and 128 x 1024 1.32x, 2026-11-23), its backward's at most four row
-    blocks wide; a few query rows (decode) take all keys in one block up to
-    :data:`BLOCK_BYTES` (32 heads over 16384 keys: one block, where 128-key blocks made
-    128 and took twice the composed path's time). ``E``/``Ev`` only add
+    compute dtype: forward blocks of :data:`BLOCK_BYTES` (at most 1/8 of the whole score
+    matrix, at least 1 MiB) about twice as wide as tall or more (``512 x 1024`` at 16 MiB
+    over 8 heads), backward blocks of :data:`BACKWARD_BLOCK_BYTES` (at most 1/64), or the
+    whole matrix in one block when it fits.
+    Causal and windowed prefill gets at least 8 row blocks. Its forward trims each row
+    block's keys to the band, so it stacks as many rows (a power of two) as fit the
+    budget with one band's width of keys (all ``S`` for causal): each row block is then
+    one product with one masked edge (``256 x 2048`` for B1 H8 L2048, ``128 x 4096`` for
+    L4096). Its backward keeps key blocks at most four row blocks wide. A few query rows
+    (decode) take all keys in one block up to :data:`BLOCK_BYTES` (32 heads over 16384
+    keys: one block, where 128-key blocks made 128 and took twice the composed path's
+    time). ``E``/``Ev`` only add
     ``(block_q + block_k) x E`` operands.
 
     Examples:
@@ -118,19 +124,21 @@ def block_sizes(spec: AttentionSpec, backward: bool = False) -> tuple[int, int]:
         >>> spec = make_spec(q, q, q, None, 0.0, False, None, False, "top_left", None,
         ...                  None, None)
         >>> block_sizes(spec)
-        (256, 1024)
+        (512, 1024)
         >>> block_sizes(spec, backward=True)
         (128, 512)
     """
     per_pair = max(1, spec.batch_size * spec.Hq) * spec.itemsize
     # A fraction of the whole score matrix (this path exists to bound memory), but never
     # below 1 MiB (256 KiB in the backward): smaller blocks only add Python-level steps.
-    # A few query rows (decode) take BLOCK_BYTES: their scores are small at any S, and
+    # A few query rows (decode) take the whole cap: their scores are small at any S, and
     # the Python work per call should not grow with S.
-    share = 4 if backward else 1
+    if backward:  # (the backward holds several block-sized temporaries at once)
+        cap, fraction, floor = BACKWARD_BLOCK_BYTES, 64, 2**18
+    else:
+        cap, fraction, floor = BLOCK_BYTES, 8, 2**20
     whole = score_matrix_bytes(spec)
-    fraction = whole // 16 if spec.L > MIN_BLOCK_ROWS else BLOCK_BYTES
-    budget = min(BLOCK_BYTES, max(2**20, fraction)) // share
+    budget = cap if spec.L <= MIN_BLOCK_ROWS else min(cap, max(floor, whole // fraction))
     elements = max(1, budget // per_pair)  # scores per (batch, head) in one block
     L, S = max(1, spec.L), max(1, spec.S)
     if L * S <= elements:  # the whole matrix in one block
@@ -139,18 +147,21 @@ def block_sizes(spec: AttentionSpec, backward: bool = False) -> tuple[int, int]:
         # Powers of two for the rows, multiples of 128 for the keys: BLAS-friendly sizes.
         bq = min(L, max(MIN_BLOCK_ROWS, 1 << (max(1, math.isqrt(elements // 2)).bit_length() - 1)))
         bk = min(S, max(MIN_BLOCK_KEYS, elements // bq // MIN_BLOCK_KEYS * MIN_BLOCK_KEYS))
-    if not spec.structure.is_trivial and L > MIN_BLOCK_ROWS:
-        # Skipping works per block: causal/windowed calls use several row blocks. The
-        # forward trims each row block's keys to those its rows see, which leaves a
-        # causal block half full on average: its key blocks may be twice as wide (fewer,
-        # larger products, one band edge per row block). The backward's key grid is kept
-        # within a few row blocks' width. A few query rows (decode) are one row block
-        # whose keys need no such grid.
-        bq = min(bq, max(MIN_BLOCK_ROWS, -(-L // STRUCTURED_ROW_BLOCKS)))
-        if backward:
+    st = spec.structure
+    if not st.is_trivial and L > MIN_BLOCK_ROWS:
+        # Skipping works per block: causal/windowed calls use at least 8 row blocks.
+        rows_cap = max(MIN_BLOCK_ROWS, -(-L // STRUCTURED_ROW_BLOCKS))
+        if backward:  # the backward's key grid stays within a few row blocks' width
+            bq = min(bq, rows_cap)
             bk = min(bk, max(MIN_BLOCK_KEYS, 4 * bq))
         else:
-            bk = min(S, max(MIN_BLOCK_KEYS, 2 * elements // bq // MIN_BLOCK_KEYS * MIN_BLOCK_KEYS))
+            # The forward trims each row block's keys to those its rows see: rows are
+            # stacked until the block holds all the keys of one band's width (S for
+            # causal), so each row block is one product with one masked edge.
+            span = S if st.left < 0 or st.right < 0 else min(S, st.left + st.right + 1)
+            fit = max(1, elements // span)
+            bq = min(rows_cap, L, max(MIN_BLOCK_ROWS, 1 << (fit.bit_length() - 1)))
+            bk = min(S, max(MIN_BLOCK_KEYS, elements // bq // MIN_BLOCK_KEYS * MIN_BLOCK_KEYS))
     return bq, bk
 
 
@@ -240,32 +251,29 @@ def forward(
     vc, bad = _composed.value_operands(spec, vg)
     if spec.scale != 1.0:
         qg = qg * spec.scale  # on the l x E queries, not on every l x s block
-    rows = _Rows(spec, qg, kg, vc, bad, mask_g, bq, bk)
-    static = _static_shift.bounded(spec, qg, kg, vc)
-    outs, lses, suspects = [], [], []
-    for r0 in range(0, spec.L, bq):
-        r1 = min(r0 + bq, spec.L)
-        out_b, lse_b, suspect = rows.block(r0, r1, static)
-        outs.append(out_b)
-        lses.append(lse_b)
-        suspects.append(suspect)
-    flagged = [xp.any(x) for x in suspects if x is not None]
+    bound = _static_shift.bounded(spec, qg, kg, vc)
+    rows = _Rows(spec, qg, kg, vc, bad, mask_g, bq, bk, bound.finite)
+    static = bound.static
+    starts = range(0, spec.L, bq)
+    parts = [rows.block(r0, min(r0 + bq, spec.L), static) for r0 in starts]
+    flagged = [xp.any(p.suspect) for p in parts if p.suspect is not None]
     if flagged and bool(xp.any(xp.stack(flagged))):  # one decision per call
         # Rows whose sums underflowed on the static shift: their blocks again, exactly.
-        for n, r0 in enumerate(range(0, spec.L, bq)):
-            if suspects[n] is not None and bool(xp.any(suspects[n])):
-                outs[n], lses[n], _ = rows.block(r0, min(r0 + bq, spec.L), False)
-    out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
-    lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=-2)
+        for n, r0 in enumerate(starts):
+            if parts[n].suspect is not None and bool(xp.any(parts[n].suspect)):
+                parts[n] = rows.block(r0, min(r0 + bq, spec.L), False)
+    out, lse = rows.finish(parts)
     out = spec.ungroup_out(xp.astype(out, spec.dtype, copy=False))
-    return out, _composed.reshape_lse(spec, lse[..., 0])
+    return out, _composed.reshape_lse(spec, lse)
 
 
 class _Rows:
     """The forward of one block of query rows over its key blocks (an online softmax),
     for one call's prepared operands."""
 
-    def __init__(self, spec: AttentionSpec, qg, kg, vc, bad, mask_g, bq: int, bk: int):
+    def __init__(
+        self, spec: AttentionSpec, qg, kg, vc, bad, mask_g, bq: int, bk: int, finite: bool
+    ):
         xp, cd, dev = spec.xp, spec.cdtype, spec.device
         self.spec, self.qg, self.kg, self.mask_g, self.bk = spec, qg, kg, mask_g, bk
         self.v_ext, self.cols_ext = _composed.value_columns(spec, vc, bad)
@@ -283,15 +291,18 @@ class _Rows:
         # Index arrays only when a block needs them (structure edge, lengths, dropout).
         self.need_index = spec.has_lengths or spec.dropout_p > 0 or spec.alibi_g is not None
         # A block that crosses the causal/window band's edge is masked only on the key
-        # columns the edge crosses, in place (a 2048 x 256 causal block: 256 of 1280
+        # columns the edge crosses, in place (a 256-row causal block: 256 of up to 2048
         # columns), where the library writes through views; per-sequence diagonals
-        # (lengths) and other libraries test the whole block.
+        # (lengths) and other libraries test the whole block. When every score is
+        # finite (`finite`) the edge gets a 0/-inf bias added instead of a masked fill:
+        # 0.075 against 0.22 ms on PyTorch for 8 heads x 256 x 256.
         self.edges_in_place = (
             spec.offset_g is None
             and not spec.structure.is_trivial
             and not spec.autograd
             and writes_in_place(xp, cd, dev)
         )
+        self.finite = finite
         self.edge_masks: dict[tuple[int, int, int], Array] = {}
 
     def _mask_edges(self, s: Array, r0: int, r1: int, c0: int, c1: int) -> None:
@@ -304,17 +315,24 @@ class _Rows:
             # The mask depends on the columns' places relative to the rows only: causal
             # row blocks of one size share it.
             where = (p0 - r0, p1 - r0, r1 - r0)
-            allowed = self.edge_masks.get(where)
-            if allowed is None:
+            mask = self.edge_masks.get(where)
+            if mask is None:
                 rows, cols = _composed.index_block(spec, r0, r1, p0, p1)
-                allowed = structural_allowed(xp, spec.structure, rows, cols)
-                self.edge_masks[where] = allowed
-            where_allowed(xp, s[..., p0 - c0 : p1 - c0], allowed, self.neg_inf)
+                mask = structural_allowed(xp, spec.structure, rows, cols)
+                if self.finite:  # as a bias: 0 where allowed, -inf elsewhere
+                    mask = xp.where(mask, self.zero, self.neg_inf)
+                self.edge_masks[where] = mask
+            edge = s[..., p0 - c0 : p1 - c0]
+            if self.finite:
+                edge += mask  # (a view: written through to s)
+            else:
+                where_allowed(xp, edge, mask, self.neg_inf)
 
-    def block(self, r0: int, r1: int, static: bool) -> tuple[Array, Array, Array | None]:
-        """Output and LSE (grouped, compute dtype, LSE with a trailing axis of 1) of rows
-        ``[r0, r1)``, and with ``static`` the rows whose sums may have underflowed
-        (``None`` otherwise): the running maximum is kept only when ``static`` is False."""
+    def block(self, r0: int, r1: int, static: bool) -> _Part:
+        """The unnormalised output, row sums and shift of rows ``[r0, r1)`` (see
+        :class:`_Part`; :meth:`finish` normalises all row blocks at once), and with
+        ``static`` the rows whose sums may have underflowed: the running maximum is kept
+        only when ``static`` is False."""
         spec, xp = self.spec, self.spec.xp
         q_blk = self.qg if (r0, r1) == (0, spec.L) else self.qg[..., r0:r1, :]
         m = total = acc = None
@@ -376,40 +394,68 @@ class _Rows:
                 m = m_new
         shape = self.rows_shape + (r1 - r0,)
         if acc is None:  # no key block for these rows (a sink still gives them an LSE)
-            out_b, lse_b = _composed.merge_sinks(
-                spec,
-                xp.zeros(shape + (spec.Ev,), dtype=spec.cdtype, device=spec.device),
-                xp.full(shape + (1,), -math.inf, dtype=spec.cdtype, device=spec.device),
-            )
-            return (
-                xp.broadcast_to(out_b, shape + (spec.Ev,)),
-                xp.broadcast_to(lse_b, shape + (1,)),
-                None,
-            )
+            zeros = xp.zeros(shape + (1,), dtype=spec.cdtype, device=spec.device)
+            acc = xp.zeros(shape + (spec.Ev,), dtype=spec.cdtype, device=spec.device)
+            return _Part(acc, zeros, None, None, None)
         out_b, total_g, touched = self.cols_ext.split(acc)
         total = total_g if total is None else total
-        # Empty means a total of exactly 0; a NaN total (a NaN score) keeps LSE NaN.
-        empty = total == self.zero
-        total_safe = xp.where(empty, self.one, total)
-        log_total = xp.log(total_safe)
         suspect = None
         if static:
             # Without ALiBi an unmasked key adds at least exp(-LIMIT): 0 is an empty row.
             suspect = total < self.tiny
             if spec.alibi_g is None:
-                suspect = xp.logical_and(suspect, xp.logical_not(empty))
-        else:
-            log_total = xp.where(xp.isfinite(m), m, self.zero) + log_total
-        out_b, lse_b = _composed.merge_sinks(
+                suspect = xp.logical_and(suspect, xp.logical_not(total == self.zero))
+        shift = None if static else xp.where(xp.isfinite(m), m, self.zero)
+        return _Part(out_b, total, shift, touched, suspect)
+
+    def finish(self, parts: list[_Part]) -> tuple[Array, Array]:
+        """Output and LSE (grouped, compute dtype; LSE without its trailing axis) of all
+        rows from their blocks' parts: one normalisation for the whole call, not one per
+        row block (each array-API call may wake the library's threads)."""
+        spec, xp = self.spec, self.spec.xp
+        full = self.rows_shape + (spec.L,)
+
+        def rows_of(name: str, width: int) -> Array | None:
+            got = [getattr(p, name) for p in parts]
+            if all(x is None for x in got):
+                return None
+            blocks = []
+            for p, x in zip(parts, got, strict=True):
+                shape = self.rows_shape + (int(p.total.shape[-2]), width)
+                if x is None:  # (a static block's shift, a block without keys' P @ bad)
+                    x = xp.zeros(shape, dtype=spec.cdtype, device=spec.device)
+                blocks.append(xp.broadcast_to(x, shape))
+            return blocks[0] if len(blocks) == 1 else xp.concat(blocks, axis=-2)
+
+        acc = rows_of("acc", spec.Ev)
+        total = rows_of("total", 1)
+        shift = rows_of("shift", 1)  # (0 for the rows of static blocks)
+        touched = rows_of("touched", 1)
+        # Empty means a total of exactly 0; a NaN total (a NaN score) keeps LSE NaN.
+        empty = total == self.zero
+        total_safe = xp.where(empty, self.one, total)
+        log_total = xp.log(total_safe)
+        if shift is not None:
+            log_total = shift + log_total
+        out, lse = _composed.merge_sinks(
             spec,
-            _composed.poison_rows(spec, out_b / total_safe, touched),
+            _composed.poison_rows(spec, acc / total_safe, touched),
             xp.where(empty, self.neg_inf, log_total),
         )
-        return (
-            xp.broadcast_to(out_b, shape + (spec.Ev,)),
-            xp.broadcast_to(lse_b, shape + (1,)),
-            suspect,
-        )
+        out = xp.broadcast_to(out, full + (spec.Ev,))
+        lse = xp.broadcast_to(lse, full + (1,))
+        return out, lse[..., 0]
+
+
+class _Part(NamedTuple):
+    """One row block's share of the forward, before normalisation (grouped layout,
+    compute dtype, trailing axis of 1 on the row vectors)."""
+
+    acc: Array  # the unnormalised P @ V
+    total: Array  # the row sums of P
+    shift: Array | None  # the running maximum where kept (0 on rows without keys)
+    touched: Array | None  # P @ bad: non-zero on rows given weight by a non-finite value
+    suspect: Array | None  # with the static shift: rows whose sums may have underflowed
 
 
 def backward(

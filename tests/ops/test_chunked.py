@@ -341,6 +341,7 @@ def test_structure_skips_key_blocks(opts, expected):
     assert visited == expected
 
 
+@pytest.mark.parametrize("static_min_rows", [None, 1])  # masked fill / -inf bias
 @pytest.mark.parametrize(
     ("opts", "widest"),
     [
@@ -349,19 +350,28 @@ def test_structure_skips_key_blocks(opts, expected):
         (dict(window=(20, 3)), 16),  # both edges of a band, each at most a row block wide
     ],
 )
-def test_band_edges_are_masked_alone_and_in_place(backend, opts, widest, monkeypatch):
+def test_band_edges_are_masked_alone_and_in_place(
+    backend, opts, widest, static_min_rows, monkeypatch
+):
     """Where the library writes through views, a block that crosses the band's edge is
     masked on the crossed columns only (its inside is never tested) and the result is
     the composed path's. Elsewhere (JAX, Dask, array-api-strict) whole blocks are tested."""
     skip_slow(backend)
-    widths = []
-    masked = chunked.where_allowed
+    if static_min_rows is not None:
+        monkeypatch.setattr(_static_shift, "MIN_ROWS", static_min_rows)
+    edge_widths, whole_blocks = [], []
 
-    def spy(xp, scratch, allowed, fill):
-        widths.append(int(scratch.shape[-1]))
-        return masked(xp, scratch, allowed, fill)
+    def spy(found, test):
+        def structural_allowed(xp, structure, rows, cols, offset=None):
+            found.append(int(cols.shape[-1]))
+            return test(xp, structure, rows, cols, offset)
 
-    monkeypatch.setattr(chunked, "where_allowed", spy)
+        return structural_allowed
+
+    monkeypatch.setattr(chunked, "structural_allowed", spy(edge_widths, chunked.structural_allowed))
+    monkeypatch.setattr(
+        _composed, "structural_allowed", spy(whole_blocks, _composed.structural_allowed)
+    )
     rng = np.random.default_rng(3)
     q = backend.asarray(rng.standard_normal((2, 2, 64, 8)))
     k = backend.asarray(rng.standard_normal((2, 2, 80, 8)))
@@ -372,13 +382,14 @@ def test_band_edges_are_masked_alone_and_in_place(backend, opts, widest, monkeyp
         opts.get("window"), None, None,
     )  # fmt: skip
     out, lse = chunked.forward(spec, q, k, v, None, block_q=16, block_k=80)
+    n_whole = len(whole_blocks)
     c_out, c_lse = _composed.forward(spec, q, k, v, None)
     xp_assert_close(backend, out, backend.to_numpy(c_out), dtype="float64")
     xp_assert_close(backend, lse, backend.to_numpy(c_lse), dtype="float64")
     if backend.name in ("numpy", "torch", "cupy"):
-        assert widths and max(widths) <= widest, widths
+        assert edge_widths and max(edge_widths) <= widest and n_whole == 0
     else:
-        assert widths == []  # the whole-block test inside scores_block instead
+        assert edge_widths == [] and n_whole > 0
 
 
 def test_memory_is_blockwise():

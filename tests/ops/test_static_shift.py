@@ -47,7 +47,7 @@ def _spec(q, k, v, mask=None, **options):
 def _bounded(q, k, v, mask=None, **options) -> bool:
     spec = _spec(q, k, v, mask, **options)
     qg = spec.group_query(q) * spec.scale
-    return _static_shift.bounded(spec, qg, spec.group_kv(k, spec.k_shape), v)
+    return _static_shift.bounded(spec, qg, spec.group_kv(k, spec.k_shape), v).static
 
 
 def test_bound_decisions():
@@ -75,6 +75,31 @@ def test_bound_decisions():
     assert not _bounded(q, nan_k, v)
 
 
+def test_bound_says_when_every_score_is_finite():
+    """``finite`` (masked pairs may be removed by adding -inf) only when no query or key
+    entry is NaN/inf and no product can overflow, whatever a softcap does to the bound."""
+
+    def finite(q, k, v, **options) -> bool:
+        spec = _spec(q, k, v, None, **options)
+        qg = spec.group_query(q) * spec.scale
+        found = _static_shift.bounded(spec, qg, spec.group_kv(k, spec.k_shape), v)
+        assert found.static or not found.finite
+        return found.finite
+
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 2, 8, 16)).astype(np.float32) for _ in range(3))
+    assert finite(q, k, v)
+    for x in (q, k):
+        for bad in (np.nan, np.inf):
+            y = x.copy()
+            y[0, 1, 2, 3] = bad
+            assert not finite(*((y, k) if x is q else (q, y)), v)
+    big_q, big_k = q.copy(), k.copy()
+    big_q[0, 0, 0, 0] = big_k[0, 0, 0, 0] = 1e17  # |q| |k| = 1e34: a product could overflow
+    assert not finite(big_q, big_k, v, softcap=30.0)  # static (the cap bounds s), not finite
+    assert not finite(q * 30, k, v)  # not static at all
+
+
 def test_decode_shaped_calls_keep_the_running_max(monkeypatch):
     # Few query rows per KV head over long keys: the bound's passes over K and V would
     # cost as much as the memory-bound attention itself.
@@ -84,11 +109,11 @@ def test_decode_shaped_calls_keep_the_running_max(monkeypatch):
     q = rng.standard_normal((1, 8, 15, 8)).astype(np.float32)  # G * L = 4 * 15 = 60
     spec = _spec(q, kv, kv, enable_gqa=True)
     qg, kg = spec.group_query(q) * spec.scale, spec.group_kv(kv, spec.k_shape)
-    assert not _static_shift.bounded(spec, qg, kg, kg)
+    assert not _static_shift.bounded(spec, qg, kg, kg).static
     q = rng.standard_normal((1, 8, 32, 8)).astype(np.float32)  # 4 * 32 = 128
     spec = _spec(q, kv, kv, enable_gqa=True)
     qg = spec.group_query(q) * spec.scale
-    assert _static_shift.bounded(spec, qg, kg, kg)
+    assert _static_shift.bounded(spec, qg, kg, kg).static
 
 
 def test_lazy_libraries_never_take_it():
