@@ -27,8 +27,6 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-import numpy as np
-
 from .._backend import is_numpy
 from ._attention_spec import AttentionSpec
 
@@ -133,17 +131,34 @@ def _threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def _clipped_sum(a: int, n: int, S: int) -> int:
+    """``sum(min(S, max(0, a + i)) for i in range(n))`` in closed form."""
+    if n <= 0:
+        return 0
+    i0 = min(n, max(0, -a))  # first i with a + i >= 0
+    i1 = min(n, max(i0, S - a))  # first i with a + i >= S
+    # a + i for i in [i0, i1), then S for i in [i1, n)
+    ramp = (i1 - i0) * a + (i1 * (i1 - 1) - i0 * (i0 - 1)) // 2
+    return ramp + (n - i1) * S
+
+
+def _band_keys(spec: AttentionSpec, r0: int, r1: int) -> int:
+    """Score elements of one (batch, head) inside the causal/window band for rows
+    ``[r0, r1)``: row ``i`` sees keys ``[i + off - left, i + off + right]`` within ``[0, S)``."""
+    st, S = spec.structure, spec.S
+    n = r1 - r0
+    hi = n * S if st.right < 0 else _clipped_sum(r0 + st.offset + st.right + 1, n, S)
+    lo = 0 if st.left < 0 else _clipped_sum(r0 + st.offset - st.left, n, S)
+    return max(0, hi - lo)  # (each row's hi >= lo: right + 1 > -left)
+
+
 def _visited_per_head(spec: AttentionSpec) -> int:
     """Score elements of one (batch, head) inside the causal/window band (all ``L x S``
     without one); per-sequence lengths are data and not counted."""
     L, S = spec.L, spec.S
-    st = spec.structure
-    if st.is_trivial or L == 0 or S == 0:
+    if spec.structure.is_trivial or L == 0 or S == 0:
         return L * S
-    i = np.arange(L, dtype=np.int64) + st.offset
-    lo = np.zeros(L, np.int64) if st.left < 0 else np.clip(i - st.left, 0, S)
-    hi = np.full(L, S, np.int64) if st.right < 0 else np.clip(i + st.right + 1, 0, S)
-    return int(np.maximum(hi - lo, 0).sum())
+    return _band_keys(spec, 0, L)
 
 
 def composed_block_bytes(spec: AttentionSpec) -> int:
@@ -183,13 +198,15 @@ def features(spec: AttentionSpec, name: str, threads: int) -> tuple[int, int, in
     # The forward trims each row block's keys to those its rows see (col_range): the
     # scores it computes are each row block's rows times that range.
     st = spec.structure
-    r0 = np.arange(0, max(1, spec.L), bq, dtype=np.int64)
-    r1 = np.minimum(r0 + bq, max(1, spec.L))
-    lo = np.zeros_like(r0) if st.left < 0 else np.clip(r0 + st.offset - st.left, 0, spec.S)
-    hi = np.full_like(r0, spec.S) if st.right < 0 else np.clip(r1 + st.offset + st.right, 0, spec.S)
-    keys = np.maximum(hi - lo, 0)
-    steps = int(np.maximum(1, -(-keys // bk)).sum())
-    elements = int(((r1 - r0) * keys).sum()) * heads
+    L = max(1, spec.L)
+    steps = elements = 0
+    for r0 in range(0, L, bq):
+        r1 = min(r0 + bq, L)
+        lo, hi = st.col_range(r0, r1, spec.S)
+        keys = hi - lo
+        steps += max(1, -(-keys // bk))
+        elements += (r1 - r0) * keys
+    elements *= heads
     return steps, 2 * steps * groups, elements, elements * width
 
 

@@ -404,3 +404,19 @@ def test_fast_split_kv_with_sinks_and_alibi_matches_composed():
         got = aa.scaled_dot_product_attention(q, k, v, implementation="fast", **kw)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("align", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("window", [None, (0, 0), (3, -1), (-1, 2), (2, 5), (40, 40)])
+@pytest.mark.parametrize(("L", "S"), [(1, 1), (1, 9), (7, 3), (9, 9), (13, 30), (30, 13)])
+def test_cost_model_counts_the_band_exactly(causal, align, window, L, S):
+    """The cost model's count of scores inside the band (closed form, no per-row work)
+    equals the dense mask's, and chunked's trimmed row blocks hold at least that many."""
+    q = np.broadcast_to(np.float32(0), (1, 1, L, 4))
+    kv = np.broadcast_to(np.float32(0), (1, 1, S, 4))
+    spec = make_spec(q, kv, kv, None, 0.0, causal, None, False, align, window, None, None)
+    dense = int(structural_mask(L, S, is_causal=causal, causal_align=align, window=window).sum())
+    assert _cost._visited_per_head(spec) == dense
+    _, _, elements, _ = _cost.features(spec, "chunked", 2)
+    assert dense <= elements <= L * S
