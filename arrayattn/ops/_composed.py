@@ -208,22 +208,35 @@ def value_operands(spec: AttentionSpec, vg: Array) -> tuple[Array, Array | None]
     when nothing can be excluded. ``P @ bad`` is then non-zero exactly on the rows that
     give a non-zero weight to such a row: :func:`poison_rows` makes those NaN, so garbage
     in excluded rows never reaches the output and garbage that takes part still shows."""
+    vc, bad, _ = value_operands_and_range(spec, vg)
+    return vc, bad
+
+
+def value_operands_and_range(
+    spec: AttentionSpec, vg: Array
+) -> tuple[Array, Array | None, tuple[float, float] | None]:
+    """:func:`value_operands`, and the ``(max, min)`` of the returned values when it
+    had to read them (``None`` otherwise), for a caller that needs them too (the static
+    shift's bound) and should not read V again."""
     if not spec.may_mask:
-        return vg, None
+        return vg, None, None
     xp = spec.xp
-    if not is_lazy(xp) and 0 not in tuple(vg.shape) and all_finite(xp, vg):
-        return vg, None  # (two reductions instead of a cleaned copy of V)
+    if not is_lazy(xp) and 0 not in tuple(vg.shape):
+        v_range = value_range(xp, vg)
+        if all(math.isfinite(e) for e in v_range):
+            return vg, None, v_range  # (two reductions instead of a cleaned copy of V)
     finite = xp.isfinite(vg)
     clean = xp.where(finite, vg, full_scalar(xp, 0.0, vg.dtype, spec.device))
     bad = xp.astype(xp.logical_not(xp.all(finite, axis=-1, keepdims=True)), spec.cdtype)
-    return clean, bad
+    return clean, bad, None
 
 
-def all_finite(xp: Namespace, x: Array) -> bool:
-    """Whether a non-empty array holds no NaN or infinity, from its max and min (NaN
-    propagates through both: the array API standard's rule), without an ``x``-sized
-    temporary. Takes a Python decision on values: eager libraries only."""
-    return all(math.isfinite(e) for e in to_floats(xp.stack([xp.max(x), xp.min(x)])))
+def value_range(xp: Namespace, x: Array) -> tuple[float, float]:
+    """``(max, min)`` of a non-empty array as Python floats, in one transfer and without
+    an ``x``-sized temporary (NaN propagates through both: the array API standard's
+    rule). Takes a Python decision on values: eager libraries only."""
+    hi, lo = to_floats(xp.stack([xp.max(x), xp.min(x)]))
+    return hi, lo
 
 
 @dataclass(frozen=True)

@@ -69,12 +69,19 @@ _FINITE_PRODUCT = 1e30
 partial sum of a score product (float32 overflows at 3.4e38)."""
 
 
-def bounded(spec: AttentionSpec, qg: Array, kg: Array, vc: Array) -> ScoreBound:
+def bounded(
+    spec: AttentionSpec,
+    qg: Array,
+    kg: Array,
+    vc: Array,
+    v_range: tuple[float, float] | None = None,
+) -> ScoreBound:
     """Whether the call may take the static shift (``.static``), and whether all its
     scores are finite (``.finite``): ``qg`` the grouped query already multiplied by the
     scale, ``kg`` the grouped keys and ``vc`` the values with non-finite entries cleared,
-    all in the compute dtype. Never static on lazy libraries (JAX, Dask), where no Python
-    decision may be taken on values.
+    all in the compute dtype; ``v_range`` the ``(max, min)`` of ``vc`` when the caller
+    already read them (``_composed.value_operands_and_range``). Never static on lazy
+    libraries (JAX, Dask), where no Python decision may be taken on values.
 
     Examples:
         >>> import numpy as np
@@ -105,7 +112,8 @@ def bounded(spec: AttentionSpec, qg: Array, kg: Array, vc: Array) -> ScoreBound:
     k_norm = xp.max(_finite_or_zero(xp, k_rows), axis=(-2, -1))
     # The bound, and the largest norms of all rows (NaN or inf when any entry is).
     facts = [xp.max(q_norm * k_norm), xp.max(q_rows), xp.max(k_rows)]
-    if 0 not in tuple(vc.shape):  # max |v| from two reductions (no |v| temporary)
+    read_v = v_range is None and 0 not in tuple(vc.shape)
+    if read_v:  # max |v| from two reductions (no |v| temporary)
         facts += [xp.max(vc), xp.min(vc)]
     if spec.alibi_g is not None:
         facts.append(xp.astype(xp.min(spec.alibi_g), facts[0].dtype))
@@ -113,11 +121,12 @@ def bounded(spec: AttentionSpec, qg: Array, kg: Array, vc: Array) -> ScoreBound:
     bound, q_max, k_max, rest = values[0], values[1], values[2], values[3:]
     if spec.alibi_g is not None and not rest.pop() >= 0.0:  # a slope < 0 raises scores
         return NONE
+    v_extremes = rest if read_v else list(v_range or ())
     v_max = 0.0
-    if rest:
-        if not all(math.isfinite(e) for e in rest):
+    if v_extremes:
+        if not all(math.isfinite(e) for e in v_extremes):
             return NONE
-        v_max = max(abs(e) for e in rest)
+        v_max = max(abs(e) for e in v_extremes)
     room = math.log(max(spec.S, 1)) + math.log(max(v_max, 1.0))
     if spec.softcap is not None:
         bound = min(bound, spec.softcap)

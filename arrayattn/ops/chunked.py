@@ -253,10 +253,10 @@ def forward(
     xp = spec.xp
     qg, kg, vg, mask_g = _composed._prepare(spec, query, key, value, attn_mask)
     # Garbage in excluded value rows must not meet P's zeros (0 * NaN is NaN).
-    vc, bad = _composed.value_operands(spec, vg)
+    vc, bad, v_range = _composed.value_operands_and_range(spec, vg)
     if spec.scale != 1.0:
         qg = qg * spec.scale  # on the l x E queries, not on every l x s block
-    bound = _static_shift.bounded(spec, qg, kg, vc)
+    bound = _static_shift.bounded(spec, qg, kg, vc, v_range)  # (V read once, not twice)
     rows = _Rows(spec, qg, kg, vc, bad, mask_g, bq, bk, bound.finite)
     static = bound.static
     starts = range(0, spec.L, bq)

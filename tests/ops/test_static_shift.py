@@ -13,7 +13,7 @@ from _helpers import xp_assert_close
 from _reference import attention as reference_attention
 
 import arrayattn as aa
-from arrayattn.ops import _static_shift, chunked
+from arrayattn.ops import _composed, _static_shift, chunked
 from arrayattn.ops._attention_spec import make_spec
 
 EAGER = ("numpy", "array_api_strict", "array_api_strict_device1", "torch", "cupy")
@@ -73,6 +73,23 @@ def test_bound_decisions():
     assert _bounded(q, nan_k, v)
     nan_k[0, 0, 5, :] = 1e4
     assert not _bounded(q, nan_k, v)
+
+
+def test_bound_takes_the_value_range_the_caller_already_read():
+    """The chunked forward hands the bound the (max, min) of V that the finiteness check
+    read: the decisions are the ones the bound takes when it reads V itself."""
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((1, 2, 128, 16)).astype(np.float32) for _ in range(3))
+    big_v = v.copy()
+    big_v[0, 0, 0, 0] = 1e35  # room past the limit
+    for args in ((q, k, v), (q * 30, k, v), (q, k, big_v), (q, k, v * 0)):
+        spec = _spec(*args, None)
+        qg = spec.group_query(args[0]) * spec.scale
+        kg, vg = spec.group_kv(args[1], spec.k_shape), spec.group_kv(args[2], spec.v_shape)
+        given = _static_shift.bounded(spec, qg, kg, vg, _composed.value_range(np, vg))
+        assert given == _static_shift.bounded(spec, qg, kg, vg)
+    nan_range = (float("nan"), 0.0)
+    assert not _static_shift.bounded(spec, qg, kg, vg, nan_range).static
 
 
 def test_bound_says_when_every_score_is_finite():
