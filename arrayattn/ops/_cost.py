@@ -142,23 +142,17 @@ def _clipped_sum(a: int, n: int, S: int) -> int:
     return ramp + (n - i1) * S
 
 
-def _band_keys(spec: AttentionSpec, r0: int, r1: int) -> int:
-    """Score elements of one (batch, head) inside the causal/window band for rows
-    ``[r0, r1)``: row ``i`` sees keys ``[i + off - left, i + off + right]`` within ``[0, S)``."""
-    st, S = spec.structure, spec.S
-    n = r1 - r0
-    hi = n * S if st.right < 0 else _clipped_sum(r0 + st.offset + st.right + 1, n, S)
-    lo = 0 if st.left < 0 else _clipped_sum(r0 + st.offset - st.left, n, S)
-    return max(0, hi - lo)  # (each row's hi >= lo: right + 1 > -left)
-
-
 def _visited_per_head(spec: AttentionSpec) -> int:
     """Score elements of one (batch, head) inside the causal/window band (all ``L x S``
-    without one); per-sequence lengths are data and not counted."""
+    without one); per-sequence lengths are data and not counted. Row ``i`` sees keys
+    ``[i + off - left, i + off + right]`` within ``[0, S)``: sums of clipped ramps."""
     L, S = spec.L, spec.S
-    if spec.structure.is_trivial or L == 0 or S == 0:
+    st = spec.structure
+    if st.is_trivial or L == 0 or S == 0:
         return L * S
-    return _band_keys(spec, 0, L)
+    hi = L * S if st.right < 0 else _clipped_sum(st.offset + st.right + 1, L, S)
+    lo = 0 if st.left < 0 else _clipped_sum(st.offset - st.left, L, S)
+    return max(0, hi - lo)  # (each row's hi >= lo: right + 1 > -left)
 
 
 def composed_block_bytes(spec: AttentionSpec) -> int:
