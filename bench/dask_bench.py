@@ -45,6 +45,10 @@ except ImportError:  # running from a checkout without installing
     import arrayattn as aa
 
 
+SETTLE_S = 0.05
+"""Untimed pause between persisting a run's inputs and starting its clock."""
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -101,6 +105,13 @@ def run_case(
             for n, x in enumerate((q, k, v))
         ]
         wait(xs)
+        # Let the client's messages settle before a clock starts: the client batches
+        # what it sends to the scheduler every 10 ms, so the graph of a run that starts
+        # right after these inputs (and the release of the previous run's) were sent
+        # waited up to 10 ms in the client before the scheduler saw it (measured: the
+        # scheduler got the graph 4 ms after the clock started in some runs, 15-17 ms
+        # in others).
+        time.sleep(SETTLE_S)
         return xs
 
     def build(q_, k_, v_) -> list:
@@ -140,6 +151,7 @@ def run_case(
         t0 = time.perf_counter()
         one_process()
         single.append(time.perf_counter() - t0)
+        inputs = None  # the previous run's inputs are released before new ones are made
         inputs = persisted_inputs()
         cluster.append(on_cluster(inputs))
     peak_mib = _peak_rss_mib(client)

@@ -18,6 +18,9 @@ builds the graph, and the graph has one task per block, not per element:
   saved output and LSE (``P = exp(S - LSE)``, ``D = rowsum(dO * O)``), and sums each
   input block's gradient over the tasks that read it (dK/dV over query blocks, dQ over
   key blocks, over batch chunks for broadcast keys) in a tree. No task holds ``L x S``.
+  With several query blocks, a (batch chunk, head chunk)'s backward tasks start once its
+  whole forward has run (a tiny task on every row's LSE), so that Dask places them all
+  by the workers' load rather than row by row.
 - Each task runs its chunk's path on one thread (``_fast_threads.one_thread``): Dask
   supplies the parallelism, one task per worker thread.
 - ``sinks`` join each row once, merged into the row block's state after the key blocks;
@@ -282,6 +285,23 @@ def _merge(*states):
     return merge_attention_states([s[0] for s in states], [s[1] for s in states])
 
 
+def _merge_task(level: int, group: list) -> tuple:
+    return (_merge, *group)
+
+
+def _merged_output(dtype, *states):
+    """The output chunk of a query block: its parts' states merged, in the call's dtype."""
+    return _output(_merge(*states), dtype)
+
+
+def _merged_lse(out, *states):
+    """The LSE chunk of a query block, from the LSEs of the parts merged into ``out``
+    (taken only so that this task runs where the parts are)."""
+    from .merge import merged_lse
+
+    return merged_lse([s[1] for s in states])
+
+
 def _pick(i: int, state):
     return state[i]
 
@@ -382,8 +402,28 @@ def _renormalise_forward(plan, dsk, blk_name, li, hi, i, root, leaves):
     return key
 
 
+def _forward_done(*lse_blocks) -> None:
+    """Nothing, once every LSE block it is given exists: the backward block tasks of a
+    (batch chunk, head chunk) with several query blocks take it as their first argument,
+    so that they start once that cell's whole forward has run (see :func:`backward`)."""
+    return None
+
+
 def _backward_block(
-    blk: _Block, q, k, v, mask, out, lse, d_out, d_lse, q_len, kv_len, factor=None, alibi=None
+    forward_done: None,
+    blk: _Block,
+    q,
+    k,
+    v,
+    mask,
+    out,
+    lse,
+    d_out,
+    d_lse,
+    q_len,
+    kv_len,
+    factor=None,
+    alibi=None,
 ):
     from ._fast_threads import one_thread
     from .attention import _select
@@ -685,10 +725,11 @@ def _plan(spec: AttentionSpec, query, key, value, attn_mask, tag: str) -> _Plan:
 # ---------------------------------------------------------------------------------------
 # Graphs
 # ---------------------------------------------------------------------------------------
-def _tree(dsk: dict, name: str, leaves: list, fan_in: int, make) -> Any:
-    """Reduce ``leaves`` (keys) in a tree of tasks ``make(*keys)``; returns the root key."""
+def _tree(dsk: dict, name: str, leaves: list, fan_in: int, make, until: int = 1) -> list:
+    """Reduce ``leaves`` (keys) in a tree of tasks ``make(*keys)`` until at most ``until``
+    keys are left; returns them (the root alone with ``until=1``)."""
     level = 0
-    while len(leaves) > 1:
+    while len(leaves) > until:
         nxt = []
         for n, at in enumerate(range(0, len(leaves), fan_in)):
             group = leaves[at : at + fan_in]
@@ -700,7 +741,7 @@ def _tree(dsk: dict, name: str, leaves: list, fan_in: int, make) -> Any:
             nxt.append(key)
         leaves = nxt
         level += 1
-    return leaves[0]
+    return leaves
 
 
 def _array(graph_layers, deps, name, dsk, parents, chunks, meta, dtype):
@@ -765,20 +806,31 @@ def forward(
                     plan.head_key(plan.alibi, li, hi),
                 )
                 leaves.append(key_)
+            out_key, lse_key = (out_name, *li, hi, i, 0), (lse_name, *li, hi, i)
+            merge_name = "attn-merge-" + plan.token + "-" + "-".join(map(str, (*li, hi, i)))
+            if len(leaves) > 1 and spec.mask_kind != "float" and plan.sinks is None:
+                # The last merge is the output chunk's own task (and the LSE's): a merge
+                # task followed by one that picks its output would be fused by Dask into
+                # a renamed task plus an alias, one more task and one more round trip
+                # through the scheduler at the end of every row. The LSE task depends on
+                # the output's too, so that both run where the parts already are.
+                last = _tree(dsk, merge_name, leaves, MERGE_FAN_IN, _merge_task, MERGE_FAN_IN)
+                out_dsk[out_key] = (_merged_output, spec.dtype, *last)
+                lse_dsk[lse_key] = (_merged_lse, out_key, *last)
+                continue
             if not leaves:
                 root = (blk_name + "-empty", *li, hi, i)
                 dsk[root] = (_empty_state, plan.shapes(li, hi, i), qk)
             else:
-                merge_name = "attn-merge-" + plan.token + "-" + "-".join(map(str, (*li, hi, i)))
-                root = _tree(dsk, merge_name, leaves, MERGE_FAN_IN, lambda lv, g: (_merge, *g))
+                root = _tree(dsk, merge_name, leaves, MERGE_FAN_IN, _merge_task)[0]
                 if spec.mask_kind == "float" and len(leaves) > 1:
                     root = _renormalise_forward(plan, dsk, blk_name, li, hi, i, root, leaves)
             if plan.sinks is not None:
                 sunk = (blk_name + "-sink", *li, hi, i)
                 dsk[sunk] = (_sink_state, root, plan.head_key(plan.sinks, li, hi))
                 root = sunk
-            out_dsk[(out_name, *li, hi, i, 0)] = (_output, root, spec.dtype)
-            lse_dsk[(lse_name, *li, hi, i)] = (_pick, 1, root)
+            out_dsk[out_key] = (_output, root, spec.dtype)
+            lse_dsk[lse_key] = (_pick, 1, root)
 
     layers, deps = _collect(plan.inputs())
     from dask.highlevelgraph import MaterializedLayer
@@ -797,7 +849,7 @@ def forward(
         deps,
         lse_name,
         lse_dsk,
-        {blk_name},
+        {blk_name, out_name},
         rows,
         plan.q._meta,
         compute_dtype(xp, spec.dtype),
@@ -884,6 +936,18 @@ def backward(
     readers: dict[int, dict[tuple, list]] = {0: {}, 1: {}, 2: {}, 3: {}}
     inputs = (plan.q, plan.k, plan.v, plan.mask)
     for li, hi in plan.grid():
+        # With several query blocks, a cell's backward starts once its whole forward has
+        # (every row's LSE exists). Dask's static order otherwise interleaves the rows
+        # (forward of row 0, its backward, forward of row 1, ...), so under causal
+        # masking the largest rows' backward tasks became ready last, queued behind the
+        # earlier rows' on the worker holding their rows, and the other worker idled
+        # (busy 724 vs 919 ms in one 0.98 s call). Started together, they are placed by
+        # the workers' load. See docs/scaling.md.
+        done = None
+        if len(plan.row_chunks) > 1:
+            done = (blk_name + "-forward-done", *li, hi)
+            rows_lse = [(lse_r.name, *li, hi, i) for i in range(len(plan.row_chunks))]
+            dsk[done] = (_forward_done, *rows_lse)
         for i in range(len(plan.row_chunks)):
             rk = (*li, hi, i)
             for j in reach[i]:
@@ -896,6 +960,7 @@ def backward(
                 )
                 dsk[key_] = (
                     _backward_block,
+                    done,
                     plan.block(li, hi, i, j),
                     *in_keys,
                     (out_r.name, *rk, 0),
@@ -934,7 +999,7 @@ def backward(
                 task = make(0, parts)
             else:
                 sum_name = g_name + "-sum-" + "-".join(map(str, idx))
-                task = dsk.pop(_tree(dsk, sum_name, parts, SUM_FAN_IN, make))
+                task = dsk.pop(_tree(dsk, sum_name, parts, SUM_FAN_IN, make)[0])
             _, picks, *group = task
             g_dsk[(g_name, *idx)] = (_sum_parts, replace(picks, dtype=x.dtype), *group)
         names.append((n, g_name, g_dsk, x))

@@ -168,6 +168,51 @@ def test_empty_rows_give_zero_and_minus_inf_never_nan(backend):
     xp_assert_close(backend, d_lses[0], np.array([0.0, 1.0]), dtype="float64")
 
 
+def test_garbage_in_a_part_without_weight_never_reaches_the_merge(backend):
+    # Part 0 has no key on row 0 (LSE -inf) and carries NaN/inf there, as an
+    # uninitialised split would; on row 1 every part has weight, so libraries that may
+    # branch on values skip the zeroing pass there. Inputs stay as they were.
+    garbage = np.array([[np.nan, np.inf, -np.inf], [1.0, -2.0, 3.0]])
+    other = np.array([[-4.0, 5.0, -6.0], [0.5, 0.25, -0.125]])
+    lse0, lse1 = np.array([-np.inf, 0.0]), np.array([1.0, 0.0])
+    outs = [backend.asarray(garbage), backend.asarray(other)]
+    lses = [backend.asarray(lse0), backend.asarray(lse1)]
+    out, lse = aa.merge_attention_states(outs, lses)
+    want = np.array([other[0], 0.5 * garbage[1] + 0.5 * other[1]])
+    xp_assert_close(backend, out, want, dtype="float64")
+    xp_assert_close(backend, lse, np.array([1.0, np.log(2.0)]), dtype="float64")
+    np.testing.assert_array_equal(backend.to_numpy(outs[0]), garbage)
+    np.testing.assert_array_equal(backend.to_numpy(outs[1]), other)
+    # Every part weighted everywhere (the summation path without the zeroing pass):
+    # equal to the float64 merge written out.
+    rng = np.random.default_rng(3)
+    parts = [rng.standard_normal((4, 5)) for _ in range(3)]
+    part_lses = [rng.standard_normal(4) for _ in range(3)]
+    got, got_lse = aa.merge_attention_states(
+        [backend.asarray(x) for x in parts], [backend.asarray(x) for x in part_lses]
+    )
+    want, want_lse = plain_merge(parts, part_lses)
+    xp_assert_close(backend, got, want, dtype="float64")
+    xp_assert_close(backend, got_lse, want_lse, dtype="float64")
+
+
+def test_torch_autograd_through_the_merge():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    outs = [torch.tensor(rng.standard_normal((3, 2)), requires_grad=True) for _ in range(3)]
+    lses = [torch.tensor(rng.standard_normal(3), requires_grad=True) for _ in range(3)]
+    out, lse = aa.merge_attention_states(outs, lses)
+    grads = torch.autograd.grad(out.sum() + lse.sum(), outs + lses)
+    weights = torch.softmax(torch.stack([x.detach() for x in lses]), dim=0)
+    for g, w in zip(grads[:3], weights, strict=True):
+        np.testing.assert_allclose(g.numpy(), w[:, None].expand(3, 2).numpy(), rtol=1e-12)
+    (d_outs, d_lses) = aa.vjp(aa.merge_attention_states, outs, lses)[1](
+        (torch.ones(3, 2, dtype=torch.float64), torch.ones(3, dtype=torch.float64))
+    )
+    for g, d in zip(grads, list(d_outs) + list(d_lses), strict=True):
+        np.testing.assert_allclose(g.numpy(), d.detach().numpy(), rtol=1e-10, atol=1e-12)
+
+
 def test_dtypes_and_plain_merge():
     rng = np.random.default_rng(1)
     outs = [rng.standard_normal((3, 2)).astype(np.float16) for _ in range(2)]
