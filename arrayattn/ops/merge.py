@@ -72,7 +72,8 @@ def _check(outs: Sequence[Array], lses: Sequence[Array]) -> tuple[Any, Any]:
 
 def merged_lse(lses: Sequence[Array]) -> Array:
     """``logsumexp_i lse_i``: the LSE :func:`merge_attention_states` returns, from the
-    LSEs alone (-inf on rows empty in every part).
+    LSEs alone (-inf on rows empty in every part). ``lses``: one ``(..., L)`` array per
+    part; returns ``(..., L)`` in float32 (float64 when the LSEs are float64).
 
     Examples:
         >>> import numpy as np
