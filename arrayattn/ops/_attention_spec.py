@@ -105,6 +105,10 @@ class AttentionSpec:
     # requires grad, under grad mode): paths that leave the library (the fast path on
     # NumPy views of CPU tensors) decline, so that autograd still sees every operation.
     autograd: bool = False
+    # False when the caller drops the LSE (``scaled_dot_product_attention`` without
+    # ``return_lse``, outside ``vjp``): a path may arrange its work for the output alone.
+    # The LSE it returns must still be right (the Dask path's is then a graph of its own).
+    lse_wanted: bool = True
 
     def as_block(
         self,
@@ -266,8 +270,10 @@ def make_spec(
     kv_lengths: Array | None = None,
     sinks: Array | None = None,
     alibi_slopes: Array | None = None,
+    lse_wanted: bool = True,
 ) -> AttentionSpec:
-    """Validate an attention call (see ``SEMANTICS.md``) and derive its spec."""
+    """Validate an attention call (see ``SEMANTICS.md``) and derive its spec.
+    ``lse_wanted=False``: the caller will not use the LSE (see ``AttentionSpec``)."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x is None:  # namespace_of skips None (the optional arrays)
             raise TypeError(f"{name} must be an array from an array-API library, got None")
@@ -340,6 +346,7 @@ def make_spec(
         sinks_g=_per_head_g(xp, "sinks", sinks, lead, Hq, G, cdtype),
         alibi_g=_per_head_g(xp, "alibi_slopes", alibi_slopes, lead, Hq, G, cdtype),
         autograd=records_gradients(query, key, value, attn_mask, sinks, alibi_slopes),
+        lse_wanted=bool(lse_wanted),
     )
 
 

@@ -302,6 +302,11 @@ def _merged_lse(out, *states):
     return merged_lse([s[1] for s in states])
 
 
+def _block_output(dtype, *block_args):
+    """A query block's output chunk computed by its only block, in the call's dtype."""
+    return _output(_forward_block(*block_args), dtype)
+
+
 def _pick(i: int, state):
     return state[i]
 
@@ -817,6 +822,15 @@ def forward(
                 last = _tree(dsk, merge_name, leaves, MERGE_FAN_IN, _merge_task, MERGE_FAN_IN)
                 out_dsk[out_key] = (_merged_output, spec.dtype, *last)
                 lse_dsk[lse_key] = (_merged_lse, out_key, *last)
+                continue
+            if len(leaves) == 1 and not spec.lse_wanted and plan.sinks is None:
+                # The caller drops the LSE: the block's own task makes the output chunk.
+                # A block task followed by one that picks its output would again be
+                # fused by Dask into a renamed task plus an alias. The LSE chunk keeps a
+                # block task of its own, which runs only if that LSE is computed after all.
+                _, *block_args = dsk[leaves[0]]
+                out_dsk[out_key] = (_block_output, spec.dtype, *block_args)
+                lse_dsk[lse_key] = (_pick, 1, leaves[0])
                 continue
             if not leaves:
                 root = (blk_name + "-empty", *li, hi, i)

@@ -270,6 +270,7 @@ def scaled_dot_product_attention(
         kv_lengths=kv_lengths,
         sinks=sinks,
         alibi_slopes=alibi_slopes,
+        lse_wanted=return_lse,
     )
     out, lse = _select(spec, implementation).forward(spec, query, key, value, attn_mask)
     return (out, lse) if return_lse else out
