@@ -154,6 +154,17 @@ def test_output_alone_equals_numpy(chunking, option):
     np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
 
 
+def test_output_alone_and_with_lse_have_keys_of_their_own():
+    # Their single-block rows' output chunks are different tasks: under one key, a
+    # cluster given both graphs would hold two run specs for it.
+    x = da.zeros((1, 2, 64, 8), chunks=(1, 2, 16, 8), dtype=np.float32)
+    alone = aa.scaled_dot_product_attention(x, x, x, is_causal=True)
+    with_lse = aa.scaled_dot_product_attention(x, x, x, is_causal=True, return_lse=True)
+    assert not set(dict(alone.__dask_graph__())) & {
+        k for k in dict(with_lse[0].__dask_graph__()) if str(k[0]).startswith("attn")
+    }
+
+
 def test_dask_picks_the_dask_path_and_names_it():
     q = da.from_array(Q, chunks=(1, 2, 8, 8))
     k, v = da.from_array(K, chunks=(1, 1, 8, 8)), da.from_array(V, chunks=(1, 1, 8, 6))

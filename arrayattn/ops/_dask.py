@@ -784,7 +784,9 @@ def forward(
         >>> out.shape, out.chunks[1:3]
         ((1, 2, 8, 4), ((1, 1), (4, 4)))
     """
-    plan = _plan(spec, query, key, value, attn_mask, "fwd")
+    # Graphs built for the output alone name their keys apart: their output chunks of
+    # single-block rows are other tasks, with the same keys Dask would see two run specs.
+    plan = _plan(spec, query, key, value, attn_mask, "fwd" if spec.lse_wanted else "fwd-out")
     dsk: dict = {}
     # Distinct names (Dask keeps per-name duration estimates): full blocks, blocks cut by
     # the causal/window band (about half the work), and merges (a few milliseconds).
