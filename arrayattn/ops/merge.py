@@ -66,8 +66,12 @@ def _check(outs: Sequence[Array], lses: Sequence[Array]) -> tuple[Any, Any]:
                 f"lses[{i}] has shape {tuple(x.shape)}, expected {shape[:-1]} "
                 "(the outs' shape without the feature axis)"
             )
-    cd = xp.float64 if lses[0].dtype == xp.float64 or outs[0].dtype == xp.float64 else xp.float32
-    return xp, cd
+    return xp, _merge_dtype(xp, lses[0], outs[0])
+
+
+def _merge_dtype(xp: Any, *arrays: Array) -> Any:
+    """The dtype weights and sums are computed in: float64 when any of ``arrays`` is."""
+    return xp.float64 if any(x.dtype == xp.float64 for x in arrays) else xp.float32
 
 
 def merged_lse(lses: Sequence[Array]) -> Array:
@@ -81,8 +85,7 @@ def merged_lse(lses: Sequence[Array]) -> Array:
         array([0.69314718,       -inf])
     """
     xp = namespace_of(**{f"lses[{i}]": x for i, x in enumerate(lses)})
-    cd = xp.float64 if lses[0].dtype == xp.float64 else xp.float32
-    return _weights(xp, cd, lses)[1]
+    return _weights(xp, _merge_dtype(xp, lses[0]), lses)[1]
 
 
 def _weights(xp: Any, cd: Any, lses: Sequence[Array]) -> tuple[list[Array], Array]:
@@ -161,10 +164,9 @@ def _weighted_sum(xp: Any, cd: Any, weights: list[Array], outs: Sequence[Array])
     in_place = eager and not records_gradients(*outs, *weights)
     out = None
     for a, o in zip(weights, outs, strict=True):
-        term = a[..., None] * _as_dtype(xp, o, cd)
-        if not eager or bool(xp.any(a == 0)):
-            zero = full_scalar(xp, 0.0, cd, device_of(term))
-            term = xp.where(a[..., None] == zero, zero, term)
+        a_col, x = a[..., None], _as_dtype(xp, o, cd)
+        some_zero = not eager or bool(xp.any(a == 0))
+        term = _times(xp, a_col, x) if some_zero else a_col * x
         if out is None:
             out = term
         elif in_place:
