@@ -141,11 +141,20 @@ def test_output_alone_equals_numpy(chunking, option):
         q, k, v = _dask(Q, qc), _dask(K, kc), _dask(V, vc)
         got = aa.scaled_dot_product_attention(q, k, v, enable_gqa=True, **lazy_options)
         spec = make_spec(
-            q, k, v, lazy_options.get("attn_mask"), lazy_options.get("dropout_p", 0.0),
-            lazy_options.get("is_causal", False), None, True,
-            lazy_options.get("causal_align", "top_left"), lazy_options.get("window"),
-            lazy_options.get("softcap"), lazy_options.get("seed"),
-            q_lengths=lazy_options.get("q_lengths"), kv_lengths=lazy_options.get("kv_lengths"),
+            q,
+            k,
+            v,
+            lazy_options.get("attn_mask"),
+            lazy_options.get("dropout_p", 0.0),
+            lazy_options.get("is_causal", False),
+            None,
+            True,
+            lazy_options.get("causal_align", "top_left"),
+            lazy_options.get("window"),
+            lazy_options.get("softcap"),
+            lazy_options.get("seed"),
+            q_lengths=lazy_options.get("q_lengths"),
+            kv_lengths=lazy_options.get("kv_lengths"),
             lse_wanted=False,
         )
         _, lse = dask_path.forward(spec, q, k, v, lazy_options.get("attn_mask"))
@@ -396,7 +405,7 @@ def test_runs_on_a_local_cluster_of_worker_processes():
         v = da.from_array(v32, chunks=(1, 1, 8, 6))
         out, pb = aa.vjp(aa.scaled_dot_product_attention, q, k, v, enable_gqa=True, is_causal=True)
         got, dq = client.compute([out, pb(da.ones_like(out))[0]], sync=True)
-        tuned = client.run(lambda: sys.modules["arrayattn.ops._dask"]._HEAP_TUNED)
+        tuned = client.run(lambda: sys.modules["arrayattn.ops._dask_tasks"]._HEAP_TUNED)
     if sys.platform.startswith("linux"):  # workers keep freed memory for the next task
         assert set(tuned.values()) == {True}, tuned
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
@@ -404,27 +413,49 @@ def test_runs_on_a_local_cluster_of_worker_processes():
 
 
 def test_local_schedulers_leave_the_allocator_alone(monkeypatch):
-    from arrayattn.ops import _dask
+    from arrayattn.ops import _dask_tasks
 
-    monkeypatch.setattr(_dask, "_HEAP_TUNED", None)
+    monkeypatch.setattr(_dask_tasks, "_HEAP_TUNED", None)
     q = da.from_array(Q, chunks=(1, 2, 8, 8))
     k = da.from_array(K, chunks=(1, 1, 8, 8))
     v = da.from_array(V, chunks=(1, 1, 8, 6))
     aa.scaled_dot_product_attention(q, k, v, enable_gqa=True).compute(scheduler="threads")
-    assert _dask._HEAP_TUNED is False  # a user's process is not a distributed worker
+    assert _dask_tasks._HEAP_TUNED is False  # a user's process is not a distributed worker
 
 
 @pytest.mark.slow
-def test_dask_bench_quick_run(tmp_path, capsys):
+@pytest.mark.parametrize("placement", ["colocated", "independent"])
+def test_dask_bench_quick_run(tmp_path, capsys, placement):
     pytest.importorskip("distributed")
     from _scripts import load_script
 
     bench = load_script("bench/dask_bench.py")
     results = tmp_path / "RESULTS.md"
-    argv = ["--quick", "--cases", "heads", "--passes", "fwd", "--append-results", str(results)]
-    assert bench.main(argv) == 0
-    assert "| heads | fwd |" in capsys.readouterr().out
-    assert "Dask scale-out run" in results.read_text()
+    argv = ["--quick", "--cases", "heads", "--passes", "fwd", "--placement", placement]
+    assert bench.main([*argv, "--append-results", str(results)]) == 0
+    row = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| heads | fwd |"))
+    peak_mib = float(row.split("|")[-2].split()[0])
+    assert 0 < peak_mib < 2048  # a worker's own peak, not the client's inherited one
+    text = results.read_text()
+    assert "Dask scale-out run" in text and f"inputs {placement}" in text
+
+
+def test_dask_bench_colocated_inputs_share_a_worker():
+    pytest.importorskip("distributed")
+    from _scripts import load_script
+    from distributed import Client, LocalCluster
+
+    bench = load_script("bench/dask_bench.py")
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=False) as cluster,
+        Client(cluster) as client,
+    ):
+        qkv = np.ones((3, 1, 2, 8, 4), np.float32)
+        xs = bench.persist_inputs(client, qkv, (1, 2, 2, 4), "colocated", "t")
+        who = client.who_has(xs)
+        for i in range(4):
+            homes = [set(who[(x.name, 0, 0, i, 0)]) for x in xs]
+            assert homes[0] == homes[1] == homes[2], homes
 
 
 _HAS_SINKS = "sinks" in __import__("inspect").signature(aa.scaled_dot_product_attention).parameters
