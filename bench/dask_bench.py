@@ -8,7 +8,15 @@ forward+backward. Printed per case: graph build time, new tasks in the graph, me
 compute time (from building the graph to its results being on the workers, as the inputs
 are; ``--gather`` also brings them to this process; each run on inputs persisted afresh
 before its clock starts), the ratio to one process, and each
-worker's peak resident memory (high-water mark since the worker started).
+worker's peak resident memory (high-water mark over the case's runs).
+
+Where the inputs live decides much of the time: Dask runs a task on the worker that
+holds all its inputs whenever one does, whatever that worker's backlog. By default a
+chunk's q, k and v are made by one task and so live on one worker, as in self-attention,
+where one projection of the hidden states' chunk makes all three (``--placement
+colocated``). ``--placement independent`` persists each array on its own, so a chunk's
+q, k and v land on workers independently (cross-attention inputs from different sources,
+or arrays loaded one by one).
 
 Usage::
 
@@ -16,6 +24,7 @@ Usage::
     python bench/dask_bench.py --quick               # small shapes, a smoke run
     python bench/dask_bench.py --long                # also causal L=32768, 1.5 GiB workers
     python bench/dask_bench.py --workers 4 --threads-per-worker 2
+    python bench/dask_bench.py --placement independent   # q, k, v persisted apart
     python bench/dask_bench.py --scheduler-address tcp://10.0.0.1:8786   # a real cluster
     python bench/dask_bench.py --append-results bench/RESULTS.md
 
@@ -66,10 +75,36 @@ def cases(length: int, heads: int, dim: int, chunk: int) -> list[Case]:
     ]
 
 
-def _peak_rss_mib(client) -> float:
-    """The largest worker's resident-memory high-water mark (MiB) since it started."""
+def _reset_peak_rss(client) -> None:
+    """Restart each worker's resident-memory high-water mark from its current size.
 
-    def peak() -> float:  # nested, so it pickles by value (workers need not see bench/)
+    Needed on Linux: a process started by ``fork`` + ``exec`` (multiprocessing's "spawn",
+    as Dask's nanny starts workers) inherits the parent's high-water mark, so without it a
+    fresh worker reported the client process's size at the time (300-900 MiB after the
+    other cases' one-process calls, against 64 MiB resident)."""
+
+    def reset() -> None:  # nested, so it pickles by value (workers need not see bench/)
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # Linux >= 4.0: reset VmHWM to the current RSS
+        except OSError:
+            pass  # elsewhere the mark keeps counting from the worker's start
+
+    client.run(reset)
+
+
+def _peak_rss_mib(client) -> float:
+    """The largest worker's resident-memory high-water mark (MiB) since
+    :func:`_reset_peak_rss` (or, where it cannot reset, since the worker started)."""
+
+    def peak() -> float:  # nested, so it pickles by value
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) / 1024.0  # kB
+        except OSError:
+            pass
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
@@ -84,14 +119,47 @@ def _graph_tasks(collections: list[Any]) -> int:
     return len(keys)
 
 
+def persist_inputs(client, qkv: np.ndarray, chunks: tuple, placement: str, name: str) -> list:
+    """``[q, k, v]`` (``qkv[0]``, ``qkv[1]``, ``qkv[2]``) as Dask arrays in ``chunks``,
+    persisted on the cluster and waited for.
+
+    ``placement="colocated"``: one task makes the q, k and v chunks of each block (as one
+    QKV projection of the hidden states' chunk does), so they live on one worker.
+    ``"independent"``: each array is persisted on its own, so its chunks land wherever
+    Dask puts them, apart from the other arrays' chunks.
+    """
+    import dask.array as da
+    from distributed import wait
+
+    if placement == "colocated":
+        stacked = da.from_array(qkv, chunks=(3, *chunks), name=name)
+        xs = client.persist([stacked[0], stacked[1], stacked[2]])
+    elif placement == "independent":
+        xs = [
+            client.persist(da.from_array(qkv[n], chunks=chunks, name=f"{name}-{n}"))
+            for n in range(3)
+        ]
+    else:
+        raise ValueError(f"placement: expected 'colocated' or 'independent', got {placement!r}")
+    wait(xs)
+    return list(xs)
+
+
 def run_case(
-    client, case: Case, backward: bool, repeats: int, gather: bool = False, seed: int = 0
+    client,
+    case: Case,
+    backward: bool,
+    repeats: int,
+    gather: bool = False,
+    seed: int = 0,
+    placement: str = "colocated",
 ) -> dict:
     import dask.array as da
     from distributed import wait
 
     rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal(case.shape, dtype=np.float32) for _ in range(3))
+    qkv_host = np.stack([q, k, v])
     runs = itertools.count()
 
     def persisted_inputs() -> list:
@@ -100,12 +168,7 @@ def run_case(
         # previous run's keys (and could be handed its results, or have its tasks
         # cancelled while those are released). Aliasing one persisted copy instead
         # (``map_blocks``) would time a stage of extra tasks that are not attention's.
-        salt = next(runs)
-        xs = [
-            client.persist(da.from_array(x, chunks=case.chunks, name=f"input-{salt}-{n}"))
-            for n, x in enumerate((q, k, v))
-        ]
-        wait(xs)
+        xs = persist_inputs(client, qkv_host, case.chunks, placement, f"input-{next(runs)}")
         # Let the previous run's releases reach the scheduler and workers before the
         # clock starts. Before this, the client sent them (2 to 12 release messages)
         # within 0.2 ms after the timed graph, so the scheduler and the workers freed the
@@ -125,6 +188,7 @@ def run_case(
         out, pullback = aa.vjp(aa.scaled_dot_product_attention, q, k, v, is_causal=True)
         return out, pullback(np.ones_like(out))
 
+    _reset_peak_rss(client)
     inputs = persisted_inputs()
     input_keys = {key for x in inputs for key in dict(x.__dask_graph__())}
     t0 = time.perf_counter()
@@ -182,7 +246,7 @@ def long_run(args) -> dict:
         ) as cluster,
         Client(cluster) as client,
     ):
-        return run_case(client, case, backward=True, repeats=1, gather=args.gather)
+        return run_case(client, case, True, repeats=1, gather=args.gather, placement=args.placement)
 
 
 def table(rows: list[dict], workers: str) -> str:
@@ -223,6 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gather", action="store_true", help="time bringing results back too")
     p.add_argument("--lean", action="store_true", help="workers without profiler/GIL monitor")
     p.add_argument("--passes", default="fwd,fwdbwd")
+    p.add_argument(
+        "--placement",
+        choices=("colocated", "independent"),
+        default="colocated",
+        help="inputs: a chunk's q, k, v made by one task (as by one QKV projection), "
+        "or each array persisted on its own",
+    )
     p.add_argument("--append-results", default=None, help="append a section to this file")
     args = p.parse_args(argv)
     if args.quick:
@@ -264,7 +335,16 @@ def main(argv: list[str] | None = None) -> int:
             for backward in (False, True):
                 if ("fwdbwd" if backward else "fwd") not in args.passes.split(","):
                     continue
-                rows.append(run_case(client, case, backward, args.repeats, args.gather))
+                rows.append(
+                    run_case(
+                        client,
+                        case,
+                        backward,
+                        args.repeats,
+                        args.gather,
+                        placement=args.placement,
+                    )
+                )
                 print(table(rows[-1:], workers).splitlines()[-1], flush=True)
     finally:
         client.close()
@@ -283,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         section = [
             f"\n### Dask scale-out run of {now} (`python bench/dask_bench.py`)\n",
             f"Machine: {platform.machine()}, {platform.processor() or 'cpu'}, "
-            f"Python {platform.python_version()}; causal, float32.\n",
+            f"Python {platform.python_version()}; causal, float32; inputs "
+            f"{args.placement} (`--placement`).\n",
             text,
         ]
         if long_rows:
