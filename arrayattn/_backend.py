@@ -334,6 +334,25 @@ def writes_in_place(xp: Namespace, dtype: Any, device: Any) -> bool:
     return array_api_compat.is_torch_array(probe) or _out_library(probe) is not None
 
 
+def rowwise_dot(xp: Namespace, a: Array, b: Array) -> Array:
+    """``sum(a * b, axis=-1)``: the backward's ``D = rowsum(dO * O)``, shape
+    ``a.shape[:-1]``. NumPy arrays take ``einsum``, as the NumPy fast path does (no
+    ``a * b`` temporary, and the same rounding in every path that computes ``D``, so the
+    Dask path's per-row ``D`` is the one its blocks would compute); other libraries
+    multiply and sum.
+
+    Examples:
+        >>> import numpy as np
+        >>> rowwise_dot(np, np.ones((2, 3)), np.full((2, 3), 2.0))
+        array([6., 6.])
+    """
+    if array_api_compat.is_numpy_array(a) and array_api_compat.is_numpy_array(b):
+        import numpy as np
+
+        return np.einsum("...d,...d->...", a, b)
+    return xp.sum(a * b, axis=-1)
+
+
 def row_sums_by_product(xp: Namespace) -> bool:
     """Whether the softmax's row sums should come out of the ``P @ V`` product as a
     column of ones appended to ``V`` (True) or from a separate ``sum`` (False). Why:

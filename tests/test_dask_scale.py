@@ -339,6 +339,81 @@ def test_backward_starts_once_its_cells_forward_has_run():
     assert not any(str(k[0]).endswith("-forward-done") for k in keys)
 
 
+def test_backward_blocks_take_their_rows_d_not_the_output():
+    # A query block with several key blocks gets one task for D = rowsum(dO * O), on its
+    # output and cotangent chunks; its backward block tasks read that D and not the output
+    # chunk (no transfer of it to every block's worker). A query block with one key block
+    # (row 0 under causal masking) keeps reading the output itself.
+    x = da.zeros((1, 2, 64, 8), chunks=(1, 2, 16, 8), dtype=np.float32)
+    out, pullback = aa.vjp(aa.scaled_dot_product_attention, x, x, x, is_causal=True)
+    graph = {}
+    for g in pullback(da.ones_like(out)):
+        graph.update(dict(g.__dask_graph__()))
+    deps = {k: _dependencies(k, v, set(graph)) for k, v in graph.items()}
+    deltas = {k[-1]: k for k in graph if str(k[0]).endswith("-delta")}
+    assert sorted(deltas) == [1, 2, 3]
+    for i, d in deltas.items():
+        names = sorted(str(k[0]).rsplit("-", 1)[0] for k in deps[d])
+        assert names == ["attn-out", "ones_like"], names
+        assert all(k[-2] == i for k in deps[d])
+    bwd = [k for k in graph if str(k[0]).startswith("attn-bwd-") and len(k) == 5]
+    for k in bwd:
+        i = k[3]
+        reads_out = any(str(d[0]).startswith("attn-out-") for d in deps[k])
+        assert reads_out == (i == 0), k
+        assert (deltas.get(i) in deps[k]) == (i > 0), k
+
+
+def test_backward_with_rows_d_equals_numpy_on_fast_path_blocks():
+    # The per-row D is the one the blocks computed themselves (the same rowwise_dot on the
+    # same rows); checked against the one-process call on blocks big enough for the NumPy
+    # fast path (the small blocks of the matrix above run the array-API path).
+    r = np.random.default_rng(11)
+    q, k, v, d = (r.standard_normal((1, 2, 512, 32)).astype(np.float32) for _ in range(4))
+    want = aa.vjp(aa.scaled_dot_product_attention, q, k, v)[1](d)
+    lazy = [da.from_array(a, chunks=(1, 2, 256, 32)) for a in (q, k, v)]
+    got_out, pb = aa.vjp(aa.scaled_dot_product_attention, *lazy)
+    got = pb(da.from_array(d, chunks=(1, 2, 256, 32)))
+    for w, g in zip(want, got, strict=True):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "rows", "with_d_lse", "causal"),
+    [
+        (np.float32, 512, False, True),  # NumPy fast path blocks
+        (np.float32, 512, True, False),
+        (np.float64, 256, True, True),
+        (np.float16, 256, False, True),
+        (np.float64, 8, True, True),  # array-API path blocks
+        (np.float32, 8, False, False),
+    ],
+)
+def test_rows_d_gives_the_blocks_own_gradients_bit_for_bit(dtype, rows, with_d_lse, causal):
+    # A block task given its row's D (and no output) returns exactly what it returns when
+    # it reads the output and computes D itself: every path forms D - dLSE first.
+    from arrayattn.ops import _dask_plan, _dask_tasks
+    from arrayattn.ops._attention_spec import make_spec
+
+    r = np.random.default_rng(3)
+    q, k, v = (r.standard_normal((1, 2, 2 * rows, 16)).astype(dtype) for _ in range(3))
+    lazy = [da.from_array(x, chunks=(1, 2, rows, 16)) for x in (q, k, v)]
+    spec = make_spec(*lazy, None, 0.0, causal, None, False, "top_left", None, None, None)
+    blk = _dask_plan._plan(spec, *lazy, None, "test").block((0,), 0, 1, 0)
+    out, lse = aa.scaled_dot_product_attention(q, k, v, is_causal=causal, return_lse=True)
+    out_i, lse_i = out[:, :, rows:], lse[:, :, rows:]
+    d_out = r.standard_normal(out_i.shape).astype(dtype)
+    d_lse = r.standard_normal(lse_i.shape).astype(lse_i.dtype) if with_d_lse else None
+    operands = (q[:, :, rows:], k[:, :, :rows], v[:, :, :rows], None)
+    own = _dask_tasks._backward_block(None, blk, *operands, out_i, lse_i, d_out, d_lse, None, None)
+    delta = _dask_tasks._row_delta(out_i, d_out)
+    given = _dask_tasks._backward_block(
+        None, blk, *operands, None, lse_i, d_out, d_lse, None, None, None, None, delta
+    )
+    for a, b in zip(own[:3], given[:3], strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
 def _dependencies(key: Any, task: Any, keys: set) -> set:
     from dask._task_spec import convert_legacy_task
 

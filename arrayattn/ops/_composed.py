@@ -24,6 +24,7 @@ from .._backend import (
     is_lazy,
     matmul_into,
     row_sums_by_product,
+    rowwise_dot,
     sum_to_shape,
     to_floats,
     where_allowed,
@@ -772,7 +773,7 @@ def backward_rows(
     if d_out is not None:
         do_g = xp.astype(spec.group_rows(d_out, spec.out_shape), cd, copy=False)
         o_g = xp.astype(spec.group_rows(out, spec.out_shape), cd, copy=False)
-        delta = xp.sum(do_g * o_g, axis=-1, keepdims=True)
+        delta = rowwise_dot(xp, do_g, o_g)[..., None]
     if d_lse is not None:
         dl = xp.astype(_group_lse(spec, d_lse), cd)
     return do_g, delta, dl
@@ -809,9 +810,12 @@ def backward_block(
         dp = group_matmul(xp, do_g, xp.matrix_transpose(kv_rows(xp, vg)))
         if spec.dropout_p > 0:
             dp = xp.where(keep, dp * inv_keep, zero)
-        ds = p * (dp - delta)
-    if dl is not None:
-        ds = p * dl if ds is None else ds + p * dl
+        # dS = P (dP - D) + P dLSE, with D - dLSE formed first (as the NumPy fast path and
+        # the CUDA kernels do): a caller that moved D into dLSE (the Dask path's blocks,
+        # which take D - dLSE through a zero output) gets the same result.
+        ds = p * (dp - (delta if dl is None else delta - dl))
+    elif dl is not None:
+        ds = p * dl
     if ds is not None and spec.may_mask:
         zero = full_scalar(xp, 0.0, spec.cdtype, spec.device)
         ds = xp.where(p == zero, zero, ds)

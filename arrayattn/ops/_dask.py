@@ -62,6 +62,7 @@ from ._dask_tasks import (
     _output,
     _pick,
     _Picks,
+    _row_delta,
     _row_factor,
     _row_total_block,
     _sink_state,
@@ -362,6 +363,14 @@ def backward(
             dsk[done] = (_forward_done, *rows_lse)
         for i in range(len(plan.row_chunks)):
             rk = (*li, hi, i)
+            out_arg, delta = (out_r.name, *rk, 0), None
+            if do_r is not None and len(reach[i]) > 1:
+                # D = rowsum(dO * O) once per query block: its block tasks then need
+                # neither the output chunk nor its transfer (they follow the rows' data
+                # less, and each computed D again).
+                delta = (blk_name + "-delta", *rk)
+                dsk[delta] = (_row_delta, (out_r.name, *rk, 0), (do_r.name, *rk, 0))
+                out_arg = None
             for j in reach[i]:
                 key_ = (blk_name, *li, hi, i, j)
                 in_keys = (
@@ -375,7 +384,7 @@ def backward(
                     done,
                     plan.block(li, hi, i, j),
                     *in_keys,
-                    (out_r.name, *rk, 0),
+                    out_arg,
                     (lse_r.name, *rk),
                     None if do_r is None else (do_r.name, *rk, 0),
                     None if dl_r is None else (dl_r.name, *rk),
@@ -383,6 +392,7 @@ def backward(
                     plan.len_key(plan.kv_len, li),
                     factors.get(rk),
                     plan.head_key(plan.alibi, li, hi),
+                    delta,
                 )
                 for n, ik in enumerate(in_keys):
                     if ik is not None:

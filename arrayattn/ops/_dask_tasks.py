@@ -243,11 +243,19 @@ def _backward_block(
     kv_len,
     factor=None,
     alibi=None,
+    delta=None,
 ):
     from ._fast_threads import one_thread
     from .attention import _select
 
     _keep_freed_memory()
+    if delta is not None:
+        # The row's D = rowsum(dO * O), made once per query block by `_row_delta` (so the
+        # block does not need the output chunk): every implementation computes
+        # rowsum(dO * O) - dLSE, so a zero output with dLSE - D in place of dLSE gives
+        # the same D - dLSE.
+        xp = _namespace(delta)
+        d_lse = -delta if d_lse is None else xp.reshape(d_lse, tuple(delta.shape)) - delta
     if factor is not None:
         # P_ij / T_i on renormalised rows: dS = c P (dP - D) and dV = P^T (c dO), so the
         # row factor c goes on dO and dLSE (D = rowsum(dO * O) scales with dO).
@@ -259,10 +267,22 @@ def _backward_block(
 
     # Gradients are summed over blocks: kept in the compute dtype until the final sum.
     q, k, v, mask, out, d_out = _in_compute_dtype(q, k, v, mask, out, d_out)
+    if delta is not None:
+        out = _namespace(d_out).zeros_like(d_out)
     spec = blk.spec(q, k, v, mask, q_len, kv_len, alibi)
     lse = _namespace(lse).reshape(lse, spec.lse_shape)
     with one_thread():
         return _select(spec, "auto").backward(spec, q, k, v, mask, out, lse, d_out, d_lse)
+
+
+def _row_delta(out, d_out):
+    """``D = rowsum(dO * O)`` of one query block, in the compute dtype, shaped like its
+    LSE chunk: the per-row term of the backward (FlashAttention-2's preprocessing step),
+    computed once for the block tasks of that row instead of once in each."""
+    from .._backend import rowwise_dot
+
+    out, d_out = _in_compute_dtype(out, d_out)
+    return rowwise_dot(_namespace(out), d_out, out)  # as every path on the block does
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from .._backend import rowwise_dot
 from . import _fast_threads
 from . import _numpy_fast as _nf
 from ._attention_spec import AttentionSpec
@@ -161,7 +162,7 @@ def backward(
     if d_out is not None:
         do_f = _broadcast_rows(spec, d_out, cd, spec.Ev)
         o_f = _broadcast_rows(spec, out, cd, spec.Ev)
-        delta = np.einsum("...d,...d->...", do_f, o_f)
+        delta = rowwise_dot(np, do_f, o_f)
     else:
         do_f = None
         delta = np.zeros(rows_shape, cd)
