@@ -317,11 +317,7 @@ def test_backward_starts_once_its_cells_forward_has_run():
     # one task that depends on every row's LSE of that cell, and on nothing of another
     # cell's. One query block: no such task (a head's backward follows its own forward).
     x = da.zeros((2, 2, 64, 8), chunks=(1, 2, 16, 8), dtype=np.float32)
-    out, pullback = aa.vjp(aa.scaled_dot_product_attention, x, x, x, is_causal=True)
-    graph = {}
-    for g in pullback(da.ones_like(out)):
-        graph.update(dict(g.__dask_graph__()))
-    deps = {k: _dependencies(k, v, set(graph)) for k, v in graph.items()}
+    graph, deps = _causal_backward_graph(x)
     gates = [k for k in graph if str(k[0]).endswith("-forward-done")]
     assert sorted(k[1:] for k in gates) == [(0, 0), (1, 0)]  # one per batch chunk
     for g in gates:
@@ -345,11 +341,7 @@ def test_backward_blocks_take_their_rows_d_not_the_output():
     # chunk (no transfer of it to every block's worker). A query block with one key block
     # (row 0 under causal masking) keeps reading the output itself.
     x = da.zeros((1, 2, 64, 8), chunks=(1, 2, 16, 8), dtype=np.float32)
-    out, pullback = aa.vjp(aa.scaled_dot_product_attention, x, x, x, is_causal=True)
-    graph = {}
-    for g in pullback(da.ones_like(out)):
-        graph.update(dict(g.__dask_graph__()))
-    deps = {k: _dependencies(k, v, set(graph)) for k, v in graph.items()}
+    graph, deps = _causal_backward_graph(x)
     deltas = {k[-1]: k for k in graph if str(k[0]).endswith("-delta")}
     assert sorted(deltas) == [1, 2, 3]
     for i, d in deltas.items():
@@ -412,6 +404,16 @@ def test_rows_d_gives_the_blocks_own_gradients_bit_for_bit(dtype, rows, with_d_l
     )
     for a, b in zip(own[:3], given[:3], strict=True):
         assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def _causal_backward_graph(x: Any) -> tuple[dict, dict]:
+    """The unoptimised graph of a causal self-attention's gradients, and each task's
+    dependencies within it."""
+    out, pullback = aa.vjp(aa.scaled_dot_product_attention, x, x, x, is_causal=True)
+    graph: dict = {}
+    for g in pullback(da.ones_like(out)):
+        graph.update(dict(g.__dask_graph__()))
+    return graph, {k: _dependencies(k, v, set(graph)) for k, v in graph.items()}
 
 
 def _dependencies(key: Any, task: Any, keys: set) -> set:
