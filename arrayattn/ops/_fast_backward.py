@@ -29,6 +29,7 @@ from ._numpy_fast import (
     _Scratch,
     _spans,
     _static_bounds,
+    aligned,
 )
 from .dropout import dropout_keep
 
@@ -307,7 +308,7 @@ def _row_totals(spec, lay, lse_f, finite):
 
 
 def _broadcast_rows(spec, x, cd, width):
-    a = np.asarray(x, dtype=cd).reshape(spec.out_shape[:-1] + (width,))
+    a = aligned(np.asarray(x, dtype=cd)).reshape(spec.out_shape[:-1] + (width,))
     nd = len(spec.lead) + 3
     a = a.reshape((1,) * (nd - a.ndim) + a.shape)
     return np.broadcast_to(a, spec.lead + (spec.Hq, spec.L, width))
