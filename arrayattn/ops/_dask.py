@@ -318,36 +318,68 @@ def backward(
     token = tokenize(plan.token, names_in)
     blk_name = "attn-bwd-" + token
     dsk: dict = {}
+    factors = _row_factors(plan, dsk, blk_name, lse_r.name)
+    readers = _backward_blocks(plan, dsk, blk_name, (out_r, lse_r, do_r, dl_r), factors)
+    names = _gradient_layers(plan, dsk, blk_name, readers, token)
+
+    row_inputs = [a for a in (out_r, lse_r, do_r, dl_r) if a is not None]
+    layers, deps = _collect(plan.inputs() + row_inputs)
+    from dask.highlevelgraph import MaterializedLayer
+
+    layers[blk_name] = MaterializedLayer(dsk)
+    deps[blk_name] = {a.name for a in plan.inputs() + row_inputs}
+    results: list[Array | None] = [None] * 4
+    for n, g_name, g_dsk, x in names:
+        g = _array(layers, deps, g_name, g_dsk, {blk_name, x.name}, x.chunks, x._meta, x.dtype)
+        results[n] = g
+    user = (query, key, value, attn_mask)
+    for n in range(4):
+        if results[n] is not None:
+            results[n] = xp.reshape(results[n], tuple(user[n].shape))
+    return results[0], results[1], results[2], results[3]
+
+
+def _row_factors(plan, dsk: dict, blk_name: str, lse_name: str) -> dict:
+    """Float masks may carry huge biases whose rows the one-process backward renormalises
+    over the whole row; with several key blocks, a first pass sums those totals. Returns
+    the factor task of each row ``(*lead, head chunk, query block)`` that has one."""
+    factors: dict = {}
+    if plan.spec.mask_kind != "float" or len(plan.col_chunks) <= 1:
+        return factors
     reach = plan.blocks()
-    # Float masks may carry huge biases whose rows the one-process backward renormalises
-    # over the whole row; with several key blocks, a first pass sums those totals.
-    factors = {}
-    if spec.mask_kind == "float" and len(plan.col_chunks) > 1:
-        for li, hi in plan.grid():
-            for i in range(len(plan.row_chunks)):
-                rk = (*li, hi, i)
-                totals = []
-                for j in reach[i]:
-                    t_key = (blk_name + "-total", *li, hi, i, j)
-                    dsk[t_key] = (
-                        _row_total_block,
-                        plan.block(li, hi, i, j),
-                        plan.q_key(li, hi, i),
-                        plan.kv_key(plan.k, li, hi, j),
-                        plan.mask_key(li, hi, i, j),
-                        (lse_r.name, *rk),
-                        plan.len_key(plan.q_len, li),
-                        plan.len_key(plan.kv_len, li),
-                        plan.head_key(plan.alibi, li, hi),
-                    )
-                    totals.append(t_key)
-                if totals:
-                    f_key = (blk_name + "-factor", *rk)
-                    dsk[f_key] = (_row_factor, (lse_r.name, *rk), *totals)
-                    factors[rk] = f_key
-    # For each input block: the block tasks that read it.
+    for li, hi in plan.grid():
+        for i in range(len(plan.row_chunks)):
+            rk = (*li, hi, i)
+            totals = []
+            for j in reach[i]:
+                t_key = (blk_name + "-total", *li, hi, i, j)
+                dsk[t_key] = (
+                    _row_total_block,
+                    plan.block(li, hi, i, j),
+                    plan.q_key(li, hi, i),
+                    plan.kv_key(plan.k, li, hi, j),
+                    plan.mask_key(li, hi, i, j),
+                    (lse_name, *rk),
+                    plan.len_key(plan.q_len, li),
+                    plan.len_key(plan.kv_len, li),
+                    plan.head_key(plan.alibi, li, hi),
+                )
+                totals.append(t_key)
+            if totals:
+                f_key = (blk_name + "-factor", *rk)
+                dsk[f_key] = (_row_factor, (lse_name, *rk), *totals)
+                factors[rk] = f_key
+    return factors
+
+
+def _backward_blocks(plan, dsk: dict, blk_name: str, row_arrays: tuple, factors: dict) -> dict:
+    """One task per scheduled block pair (and each multi-block row's ``D`` task) into
+    ``dsk``; ``row_arrays`` are the output, LSE, output cotangent and LSE cotangent in
+    the rows' chunks (the cotangents may be ``None``). Returns, for each of the four
+    inputs (query, key, value, mask), the block tasks that read each of its chunks."""
+    out_r, lse_r, do_r, dl_r = row_arrays
+    reach = plan.blocks()
     readers: dict[int, dict[tuple, list]] = {0: {}, 1: {}, 2: {}, 3: {}}
-    inputs = (plan.q, plan.k, plan.v, plan.mask)
     for li, hi in plan.grid():
         # With several query blocks, a cell's backward starts once its whole forward has
         # (every row's LSE exists). Dask's static order otherwise interleaves the rows
@@ -397,12 +429,17 @@ def backward(
                 for n, ik in enumerate(in_keys):
                     if ik is not None:
                         readers[n].setdefault(ik[1:], []).append(key_)
+    return readers
 
-    grads = []
+
+def _gradient_layers(plan, dsk: dict, blk_name: str, readers: dict, token: str) -> list:
+    """For each input that gets a gradient (a mask only when it is a float bias): its
+    gradient chunks, each the tree sum (fan-in :data:`SUM_FAN_IN`, inner nodes into
+    ``dsk``) of the block tasks that read the input chunk, or zeros where none does.
+    Returns ``(input index, gradient name, its chunks' tasks, the input)`` per input."""
     names = []
-    for n, x in enumerate(inputs):
-        if x is None or (n == 3 and spec.mask_kind != "float"):
-            grads.append(None)
+    for n, x in enumerate((plan.q, plan.k, plan.v, plan.mask)):
+        if x is None or (n == 3 and plan.spec.mask_kind != "float"):
             continue
         g_name = f"attn-grad{n}-{token}"
         g_dsk = {}
@@ -425,22 +462,7 @@ def backward(
             _, picks, *group = task
             g_dsk[(g_name, *idx)] = (_sum_parts, replace(picks, dtype=x.dtype), *group)
         names.append((n, g_name, g_dsk, x))
-
-    row_inputs = [a for a in (out_r, lse_r, do_r, dl_r) if a is not None]
-    layers, deps = _collect(plan.inputs() + row_inputs)
-    from dask.highlevelgraph import MaterializedLayer
-
-    layers[blk_name] = MaterializedLayer(dsk)
-    deps[blk_name] = {a.name for a in plan.inputs() + row_inputs}
-    results: list[Array | None] = [None] * 4
-    for n, g_name, g_dsk, x in names:
-        g = _array(layers, deps, g_name, g_dsk, {blk_name, x.name}, x.chunks, x._meta, x.dtype)
-        results[n] = g
-    user = (query, key, value, attn_mask)
-    for n in range(4):
-        if results[n] is not None:
-            results[n] = xp.reshape(results[n], tuple(user[n].shape))
-    return results[0], results[1], results[2], results[3]
+    return names
 
 
 def _register() -> None:
