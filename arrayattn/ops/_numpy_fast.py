@@ -159,9 +159,8 @@ class _Layout:
         return np.broadcast_to(a, self.spec.lead + (self.spec.Hq,))
 
     def _view(self, name, x, shape, nd, tail, cd):
-        a = aligned(np.asarray(x))
-        if a.dtype != cd:
-            a = a.astype(cd)
+        a = np.asarray(x)
+        a = a.astype(cd) if a.dtype != cd else aligned(a)  # astype's copy is aligned
         a = a.reshape((1,) * (nd - a.ndim) + a.shape)
         self._raw[name] = a  # unbroadcast: data checks read each element once
         return np.broadcast_to(a, self.spec.lead + tail)

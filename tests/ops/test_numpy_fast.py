@@ -553,7 +553,7 @@ def _off_by_one_byte(x: np.ndarray) -> np.ndarray:
     return y
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 def test_unaligned_inputs_give_the_aligned_results_bit_for_bit(dtype):
     rng = np.random.default_rng(11)
     q, k, v, d_out = (rng.standard_normal((2, 2, 37, 8)).astype(dtype) for _ in range(4))
