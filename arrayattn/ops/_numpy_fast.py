@@ -222,7 +222,7 @@ def aligned(a: np.ndarray) -> np.ndarray:
     """``a``, or an aligned copy of it where its data is not aligned to its item size.
 
     Arrays over received bytes can start anywhere: Dask hands a worker the chunks of an
-    array embedded in its graph (``da.from_array`` of a NumPy array) at odd addresses.
+    array embedded in its graph (``da.from_array`` of a NumPy array) at any byte offset.
     NumPy's BLAS products copy such an operand on every call; one copy up front costs
     a memcpy instead (a float32 block of 4 heads x 2048 x 2048 x 64 on one thread, one
     byte off: forward 47.3 against 44.3 ms before this copy, 44.2 ms with it).
