@@ -101,11 +101,12 @@ def _merge_task(level: int, group: list) -> tuple:
     return (_merge, *group)
 
 
-def _renormalise_forward(plan, dsk, blk_name, li, hi, i, root, leaves):
-    """Tasks that correct the merge of query block ``i`` on huge-LSE rows (float masks)."""
+def _row_totals(plan, dsk, blk_name, li, hi, i, cols, state) -> list:
+    """One task per key block ``j`` in ``cols`` of query block ``i``: its exact share of
+    each row's softmax total, given the row's merged ``state`` (or LSE); returns their
+    keys. Rows a ``finfo.min`` float mask leaves without keys need these totals."""
     totals = []
-    for leaf in leaves:
-        j = leaf[-1]
+    for j in cols:
         t_key = (blk_name + "-total", *li, hi, i, j)
         dsk[t_key] = (
             _row_total_block,
@@ -113,12 +114,18 @@ def _renormalise_forward(plan, dsk, blk_name, li, hi, i, root, leaves):
             plan.q_key(li, hi, i),
             plan.kv_key(plan.k, li, hi, j),
             plan.mask_key(li, hi, i, j),
-            root,
+            state,
             plan.len_key(plan.q_len, li),
             plan.len_key(plan.kv_len, li),
             plan.head_key(plan.alibi, li, hi),
         )
         totals.append(t_key)
+    return totals
+
+
+def _renormalise_forward(plan, dsk, blk_name, li, hi, i, root, leaves):
+    """Tasks that correct the merge of query block ``i`` on huge-LSE rows (float masks)."""
+    totals = _row_totals(plan, dsk, blk_name, li, hi, i, [leaf[-1] for leaf in leaves], root)
     key = (blk_name + "-fixed", *li, hi, i)
     dsk[key] = (_fix_state, len(leaves), root, *leaves, *totals)
     return key
@@ -350,21 +357,7 @@ def _row_factors(plan, dsk: dict, blk_name: str, lse_name: str) -> dict:
     for li, hi in plan.grid():
         for i in range(len(plan.row_chunks)):
             rk = (*li, hi, i)
-            totals = []
-            for j in reach[i]:
-                t_key = (blk_name + "-total", *li, hi, i, j)
-                dsk[t_key] = (
-                    _row_total_block,
-                    plan.block(li, hi, i, j),
-                    plan.q_key(li, hi, i),
-                    plan.kv_key(plan.k, li, hi, j),
-                    plan.mask_key(li, hi, i, j),
-                    (lse_name, *rk),
-                    plan.len_key(plan.q_len, li),
-                    plan.len_key(plan.kv_len, li),
-                    plan.head_key(plan.alibi, li, hi),
-                )
-                totals.append(t_key)
+            totals = _row_totals(plan, dsk, blk_name, li, hi, i, reach[i], (lse_name, *rk))
             if totals:
                 f_key = (blk_name + "-factor", *rk)
                 dsk[f_key] = (_row_factor, (lse_name, *rk), *totals)
