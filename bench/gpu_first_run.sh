@@ -50,7 +50,8 @@ run versions python3 -c "import cupy, torch, numpy, array_api_compat as c; \
 print('cupy', cupy.__version__, 'torch', torch.__version__, 'numpy', numpy.__version__, \
 'array-api-compat', c.__version__, cupy.cuda.runtime.getDeviceProperties(0)['name'])"
 run forward_tests python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_fused_gpu.py
-run backward_tests python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_backward_gpu.py
+run backward_tests python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_backward_gpu.py \
+  tests/test_dask_tasks_gpu.py
 run cupy_backend_tests env ARRAYATTN_BACKENDS=cupy python3 -m pytest -q -p no:cacheprovider \
   tests/ops tests/nn --maxfail=5
 # compute-sanitizer works on the Firecracker machines, not under gVisor (the device notes).
