@@ -524,7 +524,9 @@ def test_dask_bench_colocated_inputs_share_a_worker():
 
     bench = load_script("bench/dask_bench.py")
     with (
-        LocalCluster(n_workers=2, threads_per_worker=1, processes=False) as cluster,
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None
+        ) as cluster,
         Client(cluster) as client,
     ):
         qkv = np.ones((3, 1, 2, 8, 4), np.float32)
