@@ -11,8 +11,9 @@ batch x L = 16k tokens and H = 2048 / D heads, causal and not, it times
 * ``composed``: the array-API reference path on CuPy (skipped where its L x S score
   matrices would not fit),
 
-with CUDA events around each call (warm-up first, median of ``--reps``, two input sets
-alternated so repeated runs do not just hit L2). TFLOP/s use FlashAttention's counting:
+with CUDA events around back-to-back calls (warm-up first; the median over three groups
+of ``--reps / 3`` calls each, two input sets alternated so repeated runs do not just hit
+L2); the host cost of one tiny call is printed separately. TFLOP/s use FlashAttention's counting:
 forward ``4 * B * H * L * S * D`` flops, halved when causal; backward 2.5x forward.
 ``--backward`` adds backward and forward+backward rows (``arrayattn.vjp`` against torch
 autograd). The table is printed and appended to ``bench/RESULTS.md`` with the device name.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import statistics
 import subprocess
 import sys
@@ -48,45 +50,70 @@ def flops_forward(B: int, H: int, L: int, S: int, D: int, causal: bool) -> float
     return f / 2 if causal else f
 
 
-def time_cuda(fn: Callable[[int], object], warmup: int, reps: int) -> float:
-    """Median milliseconds of ``fn(i)`` between CUDA events on CuPy's current stream
-    (``i`` alternates the input set). Synchronises the device around each rep so work
-    queued by another library's stream is not counted."""
-    import cupy as cp
-
+def _time_events(fn: Callable[[int], object], warmup: int, reps: int, event, sync) -> float:
+    """Median over 3 groups of the mean milliseconds per call of ``fn(i)`` launched back to
+    back (``i`` alternates the input set) between two device events, so that host-side
+    launch overhead overlaps device work as it does in a real program; the device is
+    synchronised only around each group."""
     for i in range(warmup):
         fn(i)
-    cp.cuda.Device().synchronize()
+    sync()
+    n = max(1, reps // 3)
     times = []
-    for i in range(reps):
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
+    for _ in range(3):
+        start, stop = event(), event()
         start.record()
-        fn(i)
+        for i in range(n):
+            fn(i)
         stop.record()
         stop.synchronize()
-        cp.cuda.Device().synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop))
+        times.append(start.elapsed_time(stop) / n if hasattr(start, "elapsed_time")
+                     else _cupy_elapsed(start, stop) / n)  # fmt: skip
+    sync()
     return statistics.median(times)
+
+
+def _cupy_elapsed(start, stop) -> float:
+    import cupy as cp
+
+    return cp.cuda.get_elapsed_time(start, stop)
+
+
+def time_cuda(fn: Callable[[int], object], warmup: int, reps: int) -> float:
+    """Milliseconds per call of ``fn(i)`` on CuPy's current stream (see :func:`_time_events`)."""
+    import cupy as cp
+
+    return _time_events(fn, warmup, reps, cp.cuda.Event, cp.cuda.Device().synchronize)
 
 
 def time_torch(fn: Callable[[int], object], warmup: int, reps: int) -> float:
     """As :func:`time_cuda`, with torch's events on torch's current stream."""
     import torch
 
-    for i in range(warmup):
-        fn(i)
-    torch.cuda.synchronize()
-    times = []
-    for i in range(reps):
-        start = torch.cuda.Event(enable_timing=True)
-        stop = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(i)
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    torch.cuda.synchronize()
-    return statistics.median(times)
+    return _time_events(
+        fn, warmup, reps, lambda: torch.cuda.Event(enable_timing=True), torch.cuda.synchronize
+    )
+
+
+def launch_overhead_ms(reps: int = 200) -> float:
+    """Host milliseconds per ``scaled_dot_product_attention(implementation="fused")`` call
+    on a tiny input (1 x 1 x 16 x 64 float16), device synchronised after the loop only:
+    the Python and launch cost that a small call cannot hide."""
+    import time
+
+    import cupy as cp
+
+    import arrayattn as aa
+
+    q = cp.random.standard_normal((1, 1, 16, 64), dtype=cp.float32).astype(cp.float16)
+    for _ in range(5):
+        aa.scaled_dot_product_attention(q, q, q, implementation="fused")
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        aa.scaled_dot_product_attention(q, q, q, implementation="fused")
+    cp.cuda.Device().synchronize()
+    return (time.perf_counter() - t0) * 1e3 / reps
 
 
 def _rel(a, b) -> float:
@@ -315,6 +342,111 @@ def _backward_checks(args, base, sets, causal, bwd_flops, d_out, pullbacks, torc
     ]  # fmt: skip
 
 
+def decode_rows(lengths: list[int], reps: int) -> list[str]:
+    """Decode: one new token (L = 1) of B = 1, H = 32 query heads over 8 KV heads, D = 128,
+    float16, against caches of S keys: GB/s of the K and V bytes read, and the same call
+    through PyTorch's SDPA (enable_gqa) on the same memory."""
+    import cupy as cp
+
+    import arrayattn as aa
+
+    lines = [
+        "| S | fused ms | fused GB/s | torch ms | torch GB/s | torch ms / fused ms | rel err |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    torch = _cuda_torch()
+    for S in lengths:
+        rs = cp.random.RandomState(S)
+        sets = []
+        for _ in range(4):  # rotate over 4 caches so the 60 MB L2 cannot hold them
+            q = rs.standard_normal((1, 32, 1, 128), dtype=cp.float32).astype(cp.float16)
+            k = rs.standard_normal((1, 8, S, 128), dtype=cp.float32).astype(cp.float16)
+            v = rs.standard_normal((1, 8, S, 128), dtype=cp.float32).astype(cp.float16)
+            sets.append((q, k, v))
+        nbytes = 2 * 8 * S * 128 * 2
+
+        def fused(i: int, sets=sets):
+            q, k, v = sets[i % 4]
+            return aa.scaled_dot_product_attention(
+                q, k, v, enable_gqa=True, implementation="fused"
+            )
+
+        ms = time_cuda(fused, 3, reps)
+        t_ms = err = None
+        if torch is not None:
+            tsets = [tuple(torch.from_dlpack(x) for x in st) for st in sets]
+
+            def run_torch(i: int, tsets=tsets):
+                q, k, v = tsets[i % 4]
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+            try:
+                t_ms = time_torch(run_torch, 3, reps)
+                err = _rel(fused(0), cp.from_dlpack(run_torch(0)))
+            except RuntimeError as exc:
+                print(f"  torch failed: {exc}".splitlines()[0], file=sys.stderr)
+        line = (
+            f"| {S} | {ms:.4f} | {nbytes / ms / 1e6:.0f} | {_fmt(t_ms, '.4f')} | "
+            f"{_fmt(None if t_ms is None else nbytes / t_ms / 1e6, '.0f')} | "
+            f"{_fmt(None if t_ms is None else t_ms / ms, '.2f')} | {_fmt(err, '.1e')} |"
+        )
+        print(line, flush=True)
+        lines.append(line)
+        sets.clear()
+        cp.get_default_memory_pool().free_all_blocks()
+    return lines
+
+
+def long_rows(L: int = 131072, H: int = 8, D: int = 128) -> list[str]:
+    """Causal float16 forward and forward+backward at L = S = ``L`` (no L x S buffer: the
+    score matrix alone would be 2 * H * L * L bytes), with the peak of CuPy's pool."""
+    import cupy as cp
+
+    import arrayattn as aa
+
+    rs = cp.random.RandomState(1)
+    q, k, v = (
+        rs.standard_normal((1, H, L, D), dtype=cp.float32).astype(cp.float16) for _ in range(3)
+    )
+    pool = cp.get_default_memory_pool()
+    base = pool.used_bytes()
+    fwd = flops_forward(1, H, L, L, D, True)
+
+    def fb(i: int):
+        out, pullback = aa.vjp(
+            aa.scaled_dot_product_attention, q, k, v, is_causal=True, implementation="fused"
+        )
+        return pullback(out)
+
+    ms_f = time_cuda(
+        lambda i: aa.scaled_dot_product_attention(
+            q, k, v, is_causal=True, implementation="fused"
+        ),
+        1,
+        3,
+    )
+    ms_fb = time_cuda(fb, 1, 3)
+    peak = (pool.total_bytes() - base) / 2**30
+    dense = 2 * H * L * L / 2**30
+    lines = [
+        f"L = S = {L}, H = {H}, D = {D}, float16, causal: forward {ms_f:.1f} ms "
+        f"({fwd / ms_f / 1e9:.0f} TFLOP/s), forward+backward {ms_fb:.1f} ms "
+        f"({3.5 * fwd / ms_fb / 1e9:.0f} TFLOP/s); pool beyond the inputs {peak:.2f} GiB "
+        f"(a float16 score matrix would be {dense:.0f} GiB)"
+    ]
+    print(lines[0], flush=True)
+    return lines
+
+
+def _cuda_torch():
+    try:
+        import torch
+
+        return torch if torch.cuda.is_available() else None
+    except ImportError:
+        return None
+
+
 def _fmt(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -349,6 +481,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-composed", action="store_true")
     ap.add_argument("--no-append", action="store_true", help="do not write bench/RESULTS.md")
+    ap.add_argument("--out", default=None, help="also write the table to this file")
+    ap.add_argument(
+        "--decode", default=None, help="only the decode table, at these cache lengths S"
+    )
+    ap.add_argument("--long", action="store_true", help="only the L = 131072 causal run")
     args = ap.parse_args(argv)
 
     try:
@@ -370,13 +507,39 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             print("torch not installed: torch columns left empty", file=sys.stderr)
 
+    if args.decode or args.long:
+        lines = (
+            decode_rows([int(x) for x in args.decode.split(",")], args.reps)
+            if args.decode
+            else long_rows()
+        )
+        text = "\n".join(lines)
+        print(text)
+        if args.out:
+            with open(args.out, "a", encoding="utf-8") as f:
+                f.write(f"\n{device_name()} {_commit()} {' '.join(argv or sys.argv[1:])}\n\n")
+                f.write(text + "\n")
+        return 0
+    try:
+        print(f"launch overhead: {launch_overhead_ms():.3f} ms per tiny fused call (host)",
+              flush=True)  # fmt: skip
+    except Exception as exc:  # noqa: BLE001
+        print(f"launch overhead: FAILED {type(exc).__name__}: {exc}", flush=True)
     causal_opts = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     rows: list[dict] = []
     for dtype_name in args.dtypes.split(","):
         for D in (int(x) for x in args.head_dims.split(",")):
             for L in (int(x) for x in args.lengths.split(",")):
                 for causal in causal_opts:
-                    got = bench_case(args, dtype_name, D, L, causal, torch)
+                    try:
+                        got = bench_case(args, dtype_name, D, L, causal, torch)
+                    except Exception as exc:  # noqa: BLE001 - one case must not end the table
+                        import traceback
+
+                        print(f"{dtype_name} D={D} L={L} causal={causal}: FAILED "
+                              f"{type(exc).__name__}: {exc}", flush=True)  # fmt: skip
+                        traceback.print_exc()
+                        continue
                     rows.extend(got)
                     for r in got:
                         print(
@@ -387,6 +550,13 @@ def main(argv: list[str] | None = None) -> int:
                         )
     text = table(rows)
     print(text)
+    if args.out:
+        with open(args.out, "a", encoding="utf-8") as f:
+            mt = os.environ.get("ARRAYATTN_FWD_TC_MT")
+            env = f" ARRAYATTN_FWD_TC_MT={mt}" if mt else ""
+            f.write(
+                f"\n{device_name()} {_commit()}{env} {' '.join(argv or sys.argv[1:])}\n\n{text}\n"
+            )
     if not args.no_append:
         import cupy as cp
 
@@ -396,8 +566,9 @@ def main(argv: list[str] | None = None) -> int:
             versions += f", torch {torch.__version__}"
         header = (
             f"\n## {device_name()} — {stamp} — commit {_commit()}\n\n"
-            f"{versions}; batch x L = {args.tokens} tokens, H = 2048 / D; median of "
-            f"{args.reps} reps (CUDA events); FlashAttention flop counting "
+            f"{versions}; batch x L = {args.tokens} tokens, H = 2048 / D; median over 3 "
+            f"groups of {max(1, args.reps // 3)} back-to-back calls (CUDA events); "
+            f"FlashAttention flop counting "
             f"(causal halves; backward 2.5x forward).\n\n"
         )
         with open(RESULTS, "a", encoding="utf-8") as f:

@@ -110,12 +110,12 @@ struct AaBwdSeq {
     int offset;  // causal alignment: query i sits on key i + offset
 };
 
-AA_BWD_DEV AaBwdSeq aa_bwd_seq(int b, int L, int S, int bottom_right, const int* q_lens,
+AA_BWD_DEV AaBwdSeq aa_bwd_seq(int b, int L, int S, int diag, const int* q_lens,
                                const int* k_lens) {
     AaBwdSeq s;
     s.q_len = q_lens ? min(q_lens[b], L) : L;
     s.k_len = k_lens ? min(k_lens[b], S) : S;
-    s.offset = bottom_right ? s.k_len - s.q_len : 0;
+    s.offset = diag == AA_DIAG_FROM_LENGTHS ? s.k_len - s.q_len : diag;
     return s;
 }
 
@@ -179,7 +179,7 @@ AA_BWD_DEV void aa_bwd_element(Acc acc_s, Acc acc_dp, Acc lse2, Acc delta, bool 
     const TIO *__restrict__ q, const TIO *__restrict__ k, const TIO *__restrict__ v,       \
         const TIO *__restrict__ dout, const Acc *__restrict__ lse2,                           \
         const Acc *__restrict__ delta, int Hq, int Hkv, int L, int S, int E, int Ev,        \
-        Acc scale, Acc softcap, int bottom_right, int left, int right,                      \
+        Acc scale, Acc softcap, int diag, int left, int right,                              \
         const int *__restrict__ q_lens, const int *__restrict__ k_lens, aa_u32 seed,        \
         aa_u32 drop_threshold, Acc inv_keep, const unsigned char *__restrict__ mask,         \
         long long m_sb, long long m_sh, long long m_sr, long long m_sc,                       \
@@ -331,7 +331,7 @@ aa_bwd_dkdv_simt(AA_BWD_ARGS(typename AaIO<T>::type, Acc), typename AaIO<T>::typ
     const int hk = blockIdx.y;
     const int b = blockIdx.z;
     const int G = Hq / Hkv;
-    const AaBwdSeq seq = aa_bwd_seq(b, L, S, bottom_right, q_lens, k_lens);
+    const AaBwdSeq seq = aa_bwd_seq(b, L, S, diag, q_lens, k_lens);
     const Acc inv_softcap = softcap > Acc(0) ? Acc(1) / softcap : Acc(0);
     const bool dropout = drop_threshold != 0u;
 
@@ -428,7 +428,7 @@ aa_bwd_dq_simt(AA_BWD_ARGS(typename AaIO<T>::type, Acc), typename AaIO<T>::type*
     const int b = blockIdx.z;
     const int G = Hq / Hkv;
     const int hk = h / G;
-    const AaBwdSeq seq = aa_bwd_seq(b, L, S, bottom_right, q_lens, k_lens);
+    const AaBwdSeq seq = aa_bwd_seq(b, L, S, diag, q_lens, k_lens);
     const Acc inv_softcap = softcap > Acc(0) ? Acc(1) / softcap : Acc(0);
     const bool dropout = drop_threshold != 0u;
     const long long qh = (long long)b * Hq + h;
@@ -601,7 +601,7 @@ aa_bwd_dkdv_mma(AA_BWD_ARGS(typename AaIO<T>::type, float), typename AaIO<T>::ty
     const int hk = blockIdx.y;
     const int b = blockIdx.z;
     const int G = Hq / Hkv;
-    const AaBwdSeq seq = aa_bwd_seq(b, L, S, bottom_right, q_lens, k_lens);
+    const AaBwdSeq seq = aa_bwd_seq(b, L, S, diag, q_lens, k_lens);
     const float inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
     const bool dropout = drop_threshold != 0u;
     const long long kv_head = (long long)b * Hkv + hk;
@@ -798,7 +798,7 @@ aa_bwd_dq_mma(AA_BWD_ARGS(typename AaIO<T>::type, float), typename AaIO<T>::type
     const int b = blockIdx.z;
     const int G = Hq / Hkv;
     const int hk = h / G;
-    const AaBwdSeq seq = aa_bwd_seq(b, L, S, bottom_right, q_lens, k_lens);
+    const AaBwdSeq seq = aa_bwd_seq(b, L, S, diag, q_lens, k_lens);
     const float inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
     const bool dropout = drop_threshold != 0u;
     const long long qh = (long long)b * Hq + h;

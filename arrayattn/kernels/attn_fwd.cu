@@ -54,13 +54,13 @@ struct AaSeq {
     int q_len;       // valid query rows
     int kv_len;      // valid keys
     int rows_store;  // rows this sequence owns in the output (L padded, q_len varlen)
-    int offset;      // diagonal offset: 0 top-left, kv_len - q_len bottom-right
+    int offset;      // diagonal offset: query i sits on key i + offset (common.cuh)
 };
 
 AA_DEV int aa_clamp(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
 AA_DEV AaSeq aa_sequence(int b, const int* q_lens, const int* kv_lens, const int* cu_q,
-                         const int* cu_k, int L, int S, int bottom_right) {
+                         const int* cu_k, int L, int S, int diag) {
     AaSeq s;
     if (cu_q != nullptr) {
         s.tb = 0;
@@ -77,7 +77,7 @@ AA_DEV AaSeq aa_sequence(int b, const int* q_lens, const int* kv_lens, const int
         s.kv_len = kv_lens != nullptr ? aa_clamp(kv_lens[b], 0, S) : S;
         s.rows_store = L;
     }
-    s.offset = bottom_right ? s.kv_len - s.q_len : 0;
+    s.offset = diag == AA_DIAG_FROM_LENGTHS ? s.kv_len - s.q_len : diag;
     return s;
 }
 
@@ -90,7 +90,7 @@ AA_DEV AaSeq aa_sequence(int b, const int* q_lens, const int* kv_lens, const int
         long long q_sh, long long q_sr, long long k_sb, long long k_sh, long long k_sr,      \
         long long v_sb, long long v_sh, long long v_sr, long long o_sb, long long o_sh,      \
         long long o_sr, long long lse_sb, long long lse_sh, long long m_sb, long long m_sh, \
-        long long m_sr, long long m_sc, int L, int S, int G, int bottom_right, int left,    \
+        long long m_sr, long long m_sc, int L, int S, int G, int diag, int left,            \
         int right, TACC scale_log2, TACC scale, TACC softcap, TACC inv_softcap,             \
         aa_u32 seed, aa_u32 threshold, TACC inv_keep, const TACC *__restrict__ sinks,       \
         const TACC *__restrict__ alibi
@@ -258,7 +258,7 @@ __global__ void __launch_bounds__(AaTcCfg<D, MT>::NT, AaTcCfg<D, MT>::MIN_BLOCKS
     constexpr int WR = 16 * MT;  // rows per warp
 
     const int b = blockIdx.z, h = blockIdx.y;
-    const AaSeq sq = aa_sequence(b, q_lens, kv_lens, cu_q, cu_k, L, S, bottom_right);
+    const AaSeq sq = aa_sequence(b, q_lens, kv_lens, cu_q, cu_k, L, S, diag);
     const long long bh = (long long)b * gridDim.y + h;
     const float slope2 = alibi != nullptr ? alibi[bh] * (float)AA_LOG2E : 0.f;
     const int r0 = (gridDim.x - 1 - blockIdx.x) * BM;  // late (causally heavy) blocks first
@@ -577,7 +577,7 @@ __global__ void __launch_bounds__(AaSimtCfg<T, D>::NT, AaSimtCfg<T, D>::MIN_BLOC
     constexpr int QP = C::QP, KP = C::KP;
 
     const int b = blockIdx.z, h = blockIdx.y;
-    const AaSeq sq = aa_sequence(b, q_lens, kv_lens, cu_q, cu_k, L, S, bottom_right);
+    const AaSeq sq = aa_sequence(b, q_lens, kv_lens, cu_q, cu_k, L, S, diag);
     const long long bh = (long long)b * gridDim.y + h;
     const T slope2 = alibi != nullptr ? alibi[bh] * (T)AA_LOG2E : (T)0;
     const int r0 = (gridDim.x - 1 - blockIdx.x) * BM;

@@ -50,6 +50,7 @@ import numpy as np
 from .._backend import Array, is_cupy, library_name
 from ..ops._attention_spec import AttentionSpec
 from ..ops.dropout import dropout_threshold
+from .tiles import DIAG_FROM_LENGTHS
 
 __all__ = [
     "backward",
@@ -344,6 +345,7 @@ def run_kernels(
     scale: float,
     softcap: float | None = None,
     bottom_right: bool = False,
+    diagonal: int | None = None,
     window: tuple[int, int] = (-1, -1),
     q_lens: Array | None = None,
     kv_lens: Array | None = None,
@@ -356,6 +358,8 @@ def run_kernels(
 ) -> tuple[Array, Array, Array]:
     """The backward on contiguous arrays: ``q (B, Hq, L, E)``, ``k (B, Hkv, S, E)``,
     ``v (B, Hkv, S, Ev)``, ``out``/``d_out (B, Hq, L, Ev)`` in the kernel dtype,
+    ``diagonal`` the kernels' ``diag`` (``fused.kernel_diagonal``; default: per-sequence
+    ``kv_len - q_len`` when ``bottom_right``, else 0),
     ``lse``/``d_lse (B, Hq, L)`` float32 (float64 for float64); ``q_lens``/``kv_lens``
     int32 ``(B,)`` or ``None``. Returns contiguous ``(dq, dk, dv)`` of q's, k's and v's
     shapes and dtype. ``xp`` allocates the buffers (CuPy, or NumPy under the emulator);
@@ -385,11 +389,15 @@ def run_kernels(
     )
 
     dropout = dropout_p > 0.0
+    if diagonal is None:
+        diag = DIAG_FROM_LENGTHS if bottom_right else 0
+    else:
+        diag = int(diagonal)
     common = (
         q, k, v, d_out, lse2, delta,
         i32(Hq), i32(Hkv), i32(L), i32(S), i32(E), i32(Ev),
         acc_np(scale), acc_np(0.0 if softcap is None else softcap),
-        i32(int(bottom_right)), i32(window[0]), i32(window[1]),
+        i32(diag), i32(window[0]), i32(window[1]),
         NULL if q_lens is None else q_lens, NULL if kv_lens is None else kv_lens,
         u32(seed if dropout else 0), u32(dropout_threshold(dropout_p) if dropout else 0),
         acc_np(1.0 / (1.0 - dropout_p)),
@@ -439,6 +447,12 @@ def declines(spec: AttentionSpec) -> str | None:
         return "a float attn_mask (bias) needs its dense gradient: the array-API backward"
     if spec.batch_size > _GRID_YZ_MAX or spec.Hq > _GRID_YZ_MAX:
         return f"batch {spec.batch_size} or heads {spec.Hq} above the grid limit {_GRID_YZ_MAX}"
+    if spec.dropout_p > 0 and (spec.batch_ids or spec.head0 or spec.row0 or spec.col0):
+        return "the kernels hash dropout at local positions; this is a block of a larger call"
+    from .fused import kernel_diagonal
+
+    if kernel_diagonal(spec) is None:
+        return "this block's per-sequence diagonal offsets are not its kv_len - q_len"
     if kind in ("float16", "bfloat16"):
         import cupy
 
@@ -554,7 +568,7 @@ def backward(
         mask, *strides = _mask_operand(spec, attn_mask, acc)
         mask_strides = tuple(int(x) for x in strides)
 
-    from .fused import per_head_operand  # the forward kernels' layout of the slopes
+    from .fused import kernel_diagonal, per_head_operand  # as the forward kernels read them
 
     st = spec.structure
     dq, dk, dv = run_kernels(
@@ -570,7 +584,7 @@ def backward(
         dlse_c,
         scale=spec.scale,
         softcap=spec.softcap,
-        bottom_right=st.offset != 0 or spec.offset_g is not None,
+        diagonal=kernel_diagonal(spec),
         window=(st.left, st.right),
         q_lens=_lengths(spec, spec.q_len_g),
         kv_lens=_lengths(spec, spec.kv_len_g),

@@ -20,7 +20,9 @@
 //   Structure (causal alignment + sliding window; SEMANTICS.md, ops/masks.py):
 //     query i sees key j  <=>  j < kv_len  and  (left  < 0 or j >= i + offset - left)
 //                                          and  (right < 0 or j <= i + offset + right)
-//     offset = 0 (top-left) or kv_len - q_len (bottom-right), per sequence.
+//     offset = the kernels' `diag` argument: a constant (0 top-left, S - L bottom-right,
+//     any value for a block of a larger call), or kv_len - q_len per sequence when diag
+//     is AA_DIAG_FROM_LENGTHS (bottom-right with per-sequence lengths).
 //     bool aa_allowed(int i, int j, int offset, int left, int right, int kv_len)
 //     void aa_key_range(int r0, int r1, int offset, int left, int right, int kv_len,
 //                       int& lo, int& hi)        keys any row in [r0, r1) may see: [lo, hi)
@@ -43,6 +45,10 @@
 // and plain g++ (the integer parts, for the host-side bit-exactness test).
 
 #pragma once
+
+// The kernels' `diag` argument meaning "offset = kv_len - q_len of each sequence"
+// (INT_MIN; arrayattn.kernels.tiles.DIAG_FROM_LENGTHS on the host).
+#define AA_DIAG_FROM_LENGTHS (-2147483647 - 1)
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define AA_HD __host__ __device__ __forceinline__

@@ -40,9 +40,16 @@ from .._backend import Array, is_cupy, library_name
 from ..ops._attention_spec import AttentionSpec
 from ..ops.dropout import dropout_threshold
 from . import _loader
-from .tiles import forward_kernel_name, head_dim_bucket, is_heavy, tc_row_tiles, tile_config
+from .tiles import (
+    DIAG_FROM_LENGTHS,
+    forward_kernel_name,
+    head_dim_bucket,
+    is_heavy,
+    tc_row_tiles,
+    tile_config,
+)
 
-__all__ = ["FusedAttention", "FUSED", "declines"]
+__all__ = ["FusedAttention", "FUSED", "declines", "kernel_diagonal"]
 
 _KINDS = ("float16", "bfloat16", "float32", "float64")
 _GRID_YZ_MAX = 65535
@@ -67,6 +74,30 @@ def _compute_capability(spec: AttentionSpec) -> int:
     return int(cupy.cuda.Device(dev_id).compute_capability)
 
 
+def _is_block(spec: AttentionSpec) -> bool:
+    return bool(
+        spec.batch_ids is not None or spec.row0 or spec.col0 or spec.head0 or spec.partial_keys
+    )
+
+
+def kernel_diagonal(spec: AttentionSpec) -> int | None:
+    """The kernels' ``diag`` argument for this call: the constant diagonal offset (query
+    ``i`` sits on key ``i + diag``: 0 top-left, ``S - L`` bottom-right, anything for a
+    block of a larger call), or :data:`~.tiles.DIAG_FROM_LENGTHS` where each sequence's
+    offset is its ``kv_len - q_len`` (bottom-right with lengths); ``None`` when the call's
+    per-sequence offsets are neither (a block whose lengths were cut by the block)."""
+    if spec.offset_g is None:
+        return int(spec.structure.offset)
+    if not _is_block(spec):
+        return DIAG_FROM_LENGTHS  # make_spec's offset_g is kv_len - q_len, as the kernels'
+    xp = spec.xp
+    kv = spec.kv_len_g if spec.kv_len_g is not None else spec.S
+    q = spec.q_len_g if spec.q_len_g is not None else spec.L
+    if bool(xp.all(spec.offset_g == kv - q)):
+        return DIAG_FROM_LENGTHS
+    return None
+
+
 def declines(spec: AttentionSpec) -> str | None:
     """``None`` when the fused forward kernel runs this call, else the reason it does not
     (used by ``implementation="auto"`` to fall back and by ``"fused"`` for its error)."""
@@ -86,6 +117,8 @@ def declines(spec: AttentionSpec) -> str | None:
             f"batch size {spec.batch_size} or head count {spec.Hq} exceeds the grid "
             f"limit {_GRID_YZ_MAX}"
         )
+    if kernel_diagonal(spec) is None:
+        return "this block's per-sequence diagonal offsets are not its kv_len - q_len"
     if kind in ("float16", "bfloat16"):
         cc = _compute_capability(spec)
         if cc < 80:
@@ -249,7 +282,7 @@ class FusedAttention:
         acc = np.float64 if f64 else np.float32
         lse_dtype = cupy.float64 if f64 else cupy.float32
         B, Hq, L, S = spec.batch_size, spec.Hq, spec.L, spec.S
-        if B == 0 or Hq == 0 or L == 0:
+        if B == 0 or Hq == 0 or L == 0 or S == 0:  # S = 0: every row is empty
             out = cupy.zeros(spec.out_shape, dtype=spec.dtype)
             lse = cupy.full(spec.lse_shape, -np.inf, dtype=lse_dtype)
             if spec.sinks is not None and B * Hq * L > 0:  # no key: LSE = the sink
@@ -284,7 +317,8 @@ class FusedAttention:
         kv_lens = _lengths(spec, "kv_len_g")
 
         st = spec.structure
-        bottom_right = int(st.offset != 0 or getattr(spec, "offset_g", None) is not None)
+        diag = kernel_diagonal(spec)
+        assert diag is not None  # declines() refused the call otherwise
         name = forward_kernel_name(kind, d, softcap, dropout, mask_kind, mt)
         kernel = _loader.get_kernel("attn_fwd.cu", name, cfg.smem_bytes)
 
@@ -301,7 +335,7 @@ class FusedAttention:
             i64(Hq * L * d), i64(L * d), i64(d),
             i64(Hq * L), i64(L),
             *(i64(s) for s in m_st),
-            np.int32(L), np.int32(S), np.int32(spec.G), np.int32(bottom_right),
+            np.int32(L), np.int32(S), np.int32(spec.G), np.int32(diag),
             np.int32(st.left), np.int32(st.right),
             acc(spec.scale * _LOG2E), acc(spec.scale), acc(cap), acc(1.0 / cap),
             np.uint32(spec.seed if dropout else 0),

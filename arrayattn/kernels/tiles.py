@@ -23,7 +23,12 @@ __all__ = [
     "allowed",
     "block_schedule",
     "forward_kernel_name",
+    "DIAG_FROM_LENGTHS",
 ]
+
+DIAG_FROM_LENGTHS = -(2**31)
+"""The kernels' ``diag`` argument meaning "offset = kv_len - q_len of each sequence"
+(``AA_DIAG_FROM_LENGTHS`` in ``common.cuh``); any other value is the constant offset."""
 
 HEAD_DIMS = (32, 64, 96, 128, 256)
 """Head dims the kernels are instantiated for; others are zero-padded up to the next."""

@@ -24,7 +24,13 @@ import _tsan as tsan
 import numpy as np
 import pytest
 
-from arrayattn.kernels.tiles import forward_kernel_name, is_heavy, tc_row_tiles, tile_config
+from arrayattn.kernels.tiles import (
+    DIAG_FROM_LENGTHS,
+    forward_kernel_name,
+    is_heavy,
+    tc_row_tiles,
+    tile_config,
+)
 from arrayattn.ops.dropout import dropout_keep, dropout_threshold
 
 pytestmark = pytest.mark.slow
@@ -404,7 +410,7 @@ def launch_emulator(
             case.S,
             case.d,
             case.Hq // case.Hkv,
-            int(case.bottom_right),
+            DIAG_FROM_LENGTHS if case.bottom_right else 0,
             left,
             right,
             case.mask_kind,

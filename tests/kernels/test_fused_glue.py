@@ -140,6 +140,9 @@ def _fake_cupy(work: Path) -> types.ModuleType:
         "float64",
     ):
         setattr(cp, name, getattr(np, name))
+    # array_api_compat's is_cupy_array looks up cupy.ndarray once cupy is imported: a class
+    # no NumPy array belongs to (the arrays stay NumPy's, so NumPy paths serve them).
+    cp.ndarray = type("ndarray", (), {})
 
     class _Device:
         def __init__(self, i: int = 0) -> None:
@@ -255,3 +258,43 @@ def test_sinks_alibi_broadcast_float64(fake_cupy) -> None:
     k = rng.standard_normal((3, 2, 30, 32))
     _check(q, k, k, window=(4, 2), sinks=rng.standard_normal((3, 1)),
            alibi_slopes=np.array([0.5, 0.125]))  # fmt: skip
+
+
+def test_no_keys_float32(fake_cupy) -> None:
+    """S = 0 (every row empty): output 0 and LSE -inf without a launch (the first GPU run,
+    2026-11-26, found the operand layout failing on the empty key array)."""
+    rng = np.random.default_rng()
+    q = rng.standard_normal((1, 4, 3, 64), dtype=np.float32)
+    k = np.zeros((1, 2, 0, 64), dtype=np.float32)
+    spec = make_spec(q, k, k, None, 0.0, True, None, True, "top_left", None, None, None)
+    out, lse = fused.FUSED.forward(spec, q, k, k, None)
+    assert out.shape == (1, 4, 3, 64) and not out.any()
+    assert lse.shape == (1, 4, 3) and np.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("row0,col0", [(64, 0), (0, 64), (96, 32)])
+def test_block_of_a_larger_call_keeps_its_diagonal_float32(fake_cupy, row0, col0) -> None:
+    """A block of a causal call (the Dask path's blocks on CuPy chunks): its diagonal is
+    moved by ``row0 - col0``, which the kernels take as ``diag`` (before the first GPU run
+    they assumed 0 or ``S - L`` and got such blocks wrong, on the GPU and here)."""
+    import math
+
+    from arrayattn.ops._dask_plan import _Block, _Call
+
+    rows = 64
+    rng = np.random.default_rng()
+    q = rng.standard_normal((1, 2, rows, 64), dtype=np.float32)
+    k = rng.standard_normal((1, 2, rows, 64), dtype=np.float32)
+    call = _Call(dropout_p=0.0, scale=1.0 / math.sqrt(64), enable_gqa=False, window=(-1, 0),
+                 softcap=None, seed=None, L=row0 + rows, S=col0 + rows, diagonal=0,
+                 per_sequence_diagonal=False, offset_bounds=None)  # fmt: skip
+    blk = _Block(call, batch_ids=(0,), head0=0, row0=row0, col0=col0, partial_keys=True)
+    spec = blk.spec(q, k, k, None, None, None, None)
+    assert spec.structure.offset == row0 - col0
+    assert fused.kernel_diagonal(spec) == row0 - col0
+    out, lse = fused.FUSED.forward(spec, q, k, k, None)
+    ref_out, ref_lse = _composed.forward(spec, q, k, k, None)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    np.testing.assert_allclose(out, ref_out, rtol=2e-5, atol=2e-6)
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=1e-5, atol=1e-5)

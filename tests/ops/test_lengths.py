@@ -174,8 +174,7 @@ def test_bad_lengths():
         aa.scaled_dot_product_attention(q, q, q, kv_lengths=np.array([1, 2, 3]))
     with pytest.raises(ValueError, match="q_lengths"):
         aa.scaled_dot_product_attention(q, q, q, q_lengths=np.array([[1, 2]]))
-    import array_api_strict as xps
-
+    xps = pytest.importorskip("array_api_strict")  # not on the GPU machines
     qs = xps.asarray(q)
     with pytest.raises(TypeError, match="kv_lengths"):
         aa.scaled_dot_product_attention(qs, qs, qs, kv_lengths=np.array([1, 2]))

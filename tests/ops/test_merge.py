@@ -240,7 +240,6 @@ def test_bad_inputs():
         aa.merge_attention_states([o, o.astype(np.float32)], [lse, lse])
     with pytest.raises(TypeError, match="list or tuple"):
         aa.merge_attention_states(o, lse)
-    import array_api_strict as xps
-
+    xps = pytest.importorskip("array_api_strict")  # not on the GPU machines
     with pytest.raises(TypeError, match="lses"):
         aa.merge_attention_states([xps.asarray(o)], [lse])

@@ -440,7 +440,11 @@ def test_auto_uses_fast_on_numpy_and_fast_declines_other_libraries():
     assert attention_mod.auto_choice(spec_s) != "fast"
 
 
-def test_fast_path_never_allocates_an_l_by_s_buffer():
+def test_fast_path_never_allocates_an_l_by_s_buffer(monkeypatch):
+    # Each worker thread holds its own score tile (rows x S), so the workspace grows with
+    # the threads: pinned to 2 here, or a 16-core machine's 16 tiles (13.4 MiB, seen on
+    # the H200 machine's CPU, 2026-11-26) pass for an L x S buffer (16 MiB).
+    monkeypatch.setenv("ARRAYATTN_NUM_THREADS", "2")
     L = S = 2048
     rng = np.random.default_rng(5)
     q, k, v = (rng.standard_normal((1, 1, L, 16), dtype=np.float32) for _ in range(3))
