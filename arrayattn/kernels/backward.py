@@ -449,16 +449,18 @@ def declines(spec: AttentionSpec) -> str | None:
         return f"batch {spec.batch_size} or heads {spec.Hq} above the grid limit {_GRID_YZ_MAX}"
     if spec.dropout_p > 0 and (spec.batch_ids or spec.head0 or spec.row0 or spec.col0):
         return "the kernels hash dropout at local positions; this is a block of a larger call"
-    from .fused import kernel_diagonal
+    from .fused import _compute_capability, kernel_diagonal
 
     if kernel_diagonal(spec) is None:
         return "this block's per-sequence diagonal offsets are not its kv_len - q_len"
     if kind in ("float16", "bfloat16"):
-        import cupy
-
-        major, minor = cupy.cuda.Device().compute_capability
-        if int(major) * 10 + int(minor) < 80:
-            return f"{kind} backward kernels need compute capability >= 8.0"
+        # CuPy gives "90", "100", ...: the whole string is the number (major * 10 + minor)
+        cc = _compute_capability(spec)
+        if cc < 80:
+            return (
+                f"{kind} backward kernels need compute capability >= 8.0; this device has "
+                f"{cc / 10:.1f}"
+            )
     return None
 
 

@@ -150,3 +150,49 @@ def test_backward_glue_matches_composed(kernels_on_host, case, kind, determinist
         w64, g64 = w.astype(np.float64), g.astype(np.float64)
         err = np.linalg.norm(g64 - w64) / max(np.linalg.norm(w64), 1e-30)
         assert err <= tol, f"{name}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("row0,col0", [(32, 0), (0, 32), (48, 16)])
+def test_block_of_a_larger_call_keeps_its_diagonal(kernels_on_host, row0, col0):
+    """A block task of the Dask path (a causal call's block whose diagonal is moved by
+    ``row0 - col0``, with the whole row's LSE): the kernels take that diagonal (on the
+    first GPU run, 2026-11-26, they assumed 0 and dQ was 78% off)."""
+    import math
+
+    from arrayattn.ops import _composed
+    from arrayattn.ops._dask_plan import _Block, _Call
+
+    rows, d = 32, 32
+    rng = np.random.default_rng(9)
+    q, k, v, d_out = (rng.standard_normal((1, 2, rows, d)) for _ in range(4))
+    call = _Call(dropout_p=0.0, scale=1.0 / math.sqrt(d), enable_gqa=False, window=(-1, 0),
+                 softcap=None, seed=None, L=row0 + rows, S=col0 + rows, diagonal=0,
+                 per_sequence_diagonal=False, offset_bounds=None)  # fmt: skip
+    blk = _Block(call, batch_ids=(0,), head0=0, row0=row0, col0=col0, partial_keys=True)
+    spec = blk.spec(q, k, v, None, None, None, None)
+    out, lse = _composed.forward(spec, q, k, v, None)
+    lse = lse + 0.7  # the whole row's LSE is larger than the block's: P sums below 1
+    want = _composed.backward(spec, q, k, v, None, out, lse, d_out, None)[:3]
+    got = bwd.backward(spec, q, k, v, None, out, lse, d_out, None)[:3]
+    for name, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def test_compute_capability_of_three_digits(monkeypatch):
+    """CuPy reports compute capability as one string ("90", "100"): read as a number
+    (it was split into characters, so "100" raised)."""
+    from arrayattn.kernels import fused
+
+    spec = make_spec(*(np.zeros((1, 1, 4, 8), np.float16),) * 3, None, 0.0, False, None,
+                     False, "top_left", None, None, None)  # fmt: skip
+    for cc, declined in (("100", False), ("90", False), ("75", True)):
+        device = types.SimpleNamespace(compute_capability=cc)
+        fake = types.ModuleType("cupy")
+        fake.cuda = types.SimpleNamespace(
+            runtime=types.SimpleNamespace(getDevice=lambda: 0), Device=lambda i=0: device
+        )
+        monkeypatch.setitem(sys.modules, "cupy", fake)
+        monkeypatch.setattr(bwd, "is_cupy", lambda xp: True)
+        monkeypatch.setattr(fused, "is_cupy", lambda xp: True)
+        for reason in (bwd.declines(spec), fused.declines(spec)):
+            assert (reason is not None and "compute capability" in reason) == declined, reason
