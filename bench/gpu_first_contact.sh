@@ -19,13 +19,13 @@
 # hang costs one stage and the last stages are skipped, never the whole run. Everything is
 # appended to $OUT/log.txt as it happens (PYTHONUNBUFFERED); $OUT/status.txt has one line
 # per stage (name, exit code, seconds). Files in $OUT (at most 8): log.txt, status.txt,
-# variants.md (the driver's figures for every variant), bench.md, memcheck.txt,
-# racecheck.txt, kernel_cache.tgz (CuPy's compiled kernels: carry it back as
+# variants.md (the driver's figures for every variant), bench.md, memcheck_plant.txt,
+# memcheck.txt, racecheck.txt or synccheck.txt, kernel_cache.tgz (CuPy's compiled kernels: carry it back as
 # .gpucache/kernel_cache.tgz to skip compiling in a later call).
 #
 # The lent machines have CuPy, PyTorch, pytest(-xdist, -timeout) and hypothesis but not
-# array-api-compat: carry it as a wheel (docs/gpu.md, "First contact"). Without a GPU
-# every stage fails fast with a clear line and the files are still written
+# array-api-compat: carry it as a wheel (docs/gpu.md, "What to bring to the machine").
+# Without a GPU every stage fails fast with a clear line and the files are still written
 # (tests/test_gpu_first_contact.py runs it so).
 set -u
 cd "$(dirname "$0")/.."
