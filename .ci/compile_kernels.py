@@ -13,9 +13,9 @@ Exit status: 0 when everything compiled and no hot variant spills; 1 on a spill 
 missing report) in a hot variant; 2 on a compile error. Without nvcc it prints that the
 check was skipped and exits 0.
 
-The backward kernels join the check when ``arrayattn/kernels/backward.py`` defines
-``COMPILE_VARIANTS: dict[str, list[str]]`` (source file -> name expressions) and
-optionally ``HOT_VARIANTS: list[str]``.
+The backward and decode kernels join the check through ``COMPILE_VARIANTS: dict[str,
+list[str]]`` (source file -> name expressions) and ``HOT_VARIANTS: list[str]`` of
+``arrayattn/kernels/backward.py`` and ``decode.py``.
 
 Usage: ``python .ci/compile_kernels.py [--jobs N] [--arch sm_90] [--hot-only]
 [--source attn_fwd.cu ...]``
@@ -192,11 +192,18 @@ def compile_group(
 
 
 def _extra_variants() -> tuple[dict[str, list[str]], set[str]]:
-    try:
-        mod = importlib.import_module("arrayattn.kernels.backward")
-    except ImportError:
-        return {}, set()
-    return dict(getattr(mod, "COMPILE_VARIANTS", {})), set(getattr(mod, "HOT_VARIANTS", ()))
+    """The variants (and hot ones) of the kernel modules beside the forward's: the
+    backward (``backward.py``) and the split-KV decode (``decode.py``)."""
+    variants: dict[str, list[str]] = {}
+    hot: set[str] = set()
+    for module in ("arrayattn.kernels.backward", "arrayattn.kernels.decode"):
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        variants.update(getattr(mod, "COMPILE_VARIANTS", {}))
+        hot |= set(getattr(mod, "HOT_VARIANTS", ()))
+    return variants, hot
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ exists for a library.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Sequence
 from types import ModuleType
@@ -470,6 +471,96 @@ def numpy_bridge(xp: Namespace, device: Any) -> NumpyBridge | None:
     import torch
 
     return NumpyBridge(torch)
+
+
+class CupyBridge:
+    """Zero-copy CuPy views of another library's GPU arrays through DLPack, and back (see
+    :func:`cupy_bridge`): PyTorch CUDA tensors and JAX GPU arrays. bfloat16, which CuPy
+    has no dtype for, travels as its 16-bit storage viewed as int16 (the kernels read the
+    bits); JAX has no zero-copy bit view, so a JAX bfloat16 array is bit-cast on the GPU
+    (one copy each way)."""
+
+    KINDS = ("float16", "bfloat16", "float32", "float64")
+
+    def __init__(self, library: str) -> None:
+        self.library = library  # "torch" or "jax"
+
+    def kind(self, dtype: Any) -> str | None:
+        """``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"`` for the library's
+        ``dtype``, else ``None``."""
+        name = str(dtype).removeprefix("torch.")
+        return name if name in self.KINDS else None
+
+    def to_cupy(self, x: Array | None, as_float32: bool = False) -> Any:
+        """A CuPy view of ``x`` (no copy; bfloat16 as int16 storage). ``as_float32``
+        converts a floating ``x`` to float32 in its own library first (a copy: for small
+        per-head arrays and masks the kernels read in float32)."""
+        if x is None:
+            return None
+        import cupy
+
+        if self.library == "torch":
+            import torch
+
+            x = x.detach()
+            if as_float32 and x.is_floating_point():
+                x = x.float()
+            if x.dtype == torch.bfloat16:
+                x = x.view(torch.int16)
+            return cupy.from_dlpack(x)
+        import jax.numpy as jnp
+
+        if as_float32 and jnp.issubdtype(x.dtype, jnp.floating):
+            x = x.astype(jnp.float32)
+        if x.dtype == jnp.bfloat16:
+            import jax
+
+            x = jax.lax.bitcast_convert_type(x, jnp.int16)
+        return cupy.from_dlpack(x)
+
+    def from_cupy(self, a: Any, kind: str | None = None) -> Array:
+        """``a`` as an array of the library (no copy); ``kind="bfloat16"`` reads int16
+        storage as bfloat16."""
+        if a is None:
+            return None
+        if self.library == "torch":
+            import torch
+
+            t = torch.from_dlpack(a)
+            return t.view(torch.bfloat16) if kind == "bfloat16" else t
+        import jax
+        import jax.numpy as jnp
+
+        x = jnp.from_dlpack(a)
+        return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if kind == "bfloat16" else x
+
+
+def cupy_bridge(xp: Namespace, device: Any, *arrays: Array | None) -> CupyBridge | None:
+    """A :class:`CupyBridge` when arrays of ``xp`` on ``device`` can be handed to CuPy
+    through DLPack (PyTorch tensors on a CUDA device; JAX arrays on a GPU, outside
+    tracing) and CuPy is installed, else ``None``. ``arrays``: the call's arrays (JAX
+    tracers have no memory to hand over).
+
+    Examples:
+        >>> import numpy as np
+        >>> cupy_bridge(resolve_namespace(np), "cpu") is None  # NumPy: no GPU memory
+        True
+    """
+    if array_api_compat.is_torch_namespace(xp):
+        if getattr(device, "type", None) != "cuda":
+            return None
+        library = "torch"
+    elif array_api_compat.is_jax_namespace(xp):
+        if getattr(device, "platform", None) != "gpu":
+            return None
+        import jax
+
+        if any(isinstance(a, jax.core.Tracer) for a in arrays if a is not None):
+            return None
+        library = "jax"
+    else:
+        return None
+    return CupyBridge(library) if importlib.util.find_spec("cupy") is not None else None
 
 
 def records_gradients(*arrays: Array | None) -> bool:

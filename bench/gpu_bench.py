@@ -517,7 +517,9 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         if args.out:
             with open(args.out, "a", encoding="utf-8") as f:
-                f.write(f"\n{device_name()} {_commit()} {' '.join(argv or sys.argv[1:])}\n\n")
+                dec = os.environ.get("ARRAYATTN_FUSED_DECODE")
+                env = f" ARRAYATTN_FUSED_DECODE={dec}" if dec else ""
+                f.write(f"\n{device_name()} {_commit()}{env} {' '.join(argv or sys.argv[1:])}\n\n")
                 f.write(text + "\n")
         return 0
     try:
@@ -552,8 +554,11 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out:
         with open(args.out, "a", encoding="utf-8") as f:
-            mt = os.environ.get("ARRAYATTN_FWD_TC_MT")
-            env = f" ARRAYATTN_FWD_TC_MT={mt}" if mt else ""
+            env = "".join(
+                f" {k}={os.environ[k]}"
+                for k in ("ARRAYATTN_FWD_TC_MT", "ARRAYATTN_FUSED_DECODE")
+                if os.environ.get(k)
+            )
             f.write(
                 f"\n{device_name()} {_commit()}{env} {' '.join(argv or sys.argv[1:])}\n\n{text}\n"
             )

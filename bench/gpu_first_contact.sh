@@ -192,8 +192,9 @@ stage bench_wide 120 "$py" bench/gpu_bench.py --dtypes float16 --head-dims 64,12
   --out "$out/bench.md"
 stage bench_fp32 60 "$py" bench/gpu_bench.py --dtypes float32,float64 --head-dims 128 \
   --lengths 2048 --backward --no-composed --no-append --reps 9 --out "$out/bench.md"
-stage decode 40 "$py" bench/gpu_bench.py --decode 4096,16384,65536,131072 --reps 30 \
-  --out "$out/bench.md"
+# decode: the split-KV decode kernels, then the prefill kernel they replace (A/B)
+stage decode 60 bash -c 'for d in 1 0; do ARRAYATTN_FUSED_DECODE=$d "$0" bench/gpu_bench.py \
+  --decode 4096,16384,65536,131072 --reps 30 --out "$1"; done' "$py" "$out/bench.md"
 stage long 60 "$py" bench/gpu_bench.py --long --out "$out/bench.md"
 sanitize memcheck_plant 30 memcheck --plant-oob --dtypes none # must report 1 error
 sanitize memcheck 90 memcheck

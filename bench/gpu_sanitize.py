@@ -56,6 +56,10 @@ def cases(small: bool) -> Iterator[tuple[str, dict[str, Any]]]:
                                    "causal_align": "bottom_right"}  # fmt: skip
         yield f"{dtype} softcap dropout", {**base, "softcap": 20.0, "dropout_p": 0.25, "seed": 7}
         yield f"{dtype} sinks alibi", {**base, "sinks": True, "alibi": True, "is_causal": True}
+        # L <= 16 over S >= 128: the split-KV decode kernels (an empty sequence included)
+        yield f"{dtype} decode gqa lengths", {**base, "Hq": 8, "Hkv": 2, "L": 1, "S": 300,
+                                              "enable_gqa": True, "is_causal": True,
+                                              "causal_align": "bottom_right", "lengths": True}
 
 
 TOLERANCES = {

@@ -4,8 +4,8 @@ driver what each one costs: registers, local memory (stack and spills), static a
 dynamic shared memory, and resident blocks per SM.
 
 The variants are the ones the CPU compile check knows (``.ci/compile_kernels.py``'s
-forward list, ``arrayattn.kernels.backward.COMPILE_VARIANTS``) plus the paged-attention
-kernel's instantiations; each is loaded exactly as the library loads it
+forward list, ``COMPILE_VARIANTS`` of ``arrayattn.kernels.backward`` and ``.decode``);
+each is loaded exactly as the library loads it
 (``arrayattn.kernels._loader.get_kernel``, with the launch's dynamic shared memory), so
 this also fills CuPy's on-disk kernel cache for the processes that follow.
 
@@ -75,18 +75,26 @@ def _backward_variants() -> list[Variant]:
     return out
 
 
-def _paged_variants() -> list[Variant]:
-    from arrayattn.nn import _paged_kernel as pk
+def _decode_variants() -> list[Variant]:
+    from arrayattn.kernels import decode
 
+    launch: dict[str, tuple[int, int]] = {}
+    for kind in ("float16", "bfloat16", "float32", "float64"):
+        for d in decode.HEAD_DIMS:
+            for rows in (1, 2, 4, 8):
+                plan = decode.decode_plan(kind, d, d, rows)
+                assert plan is not None
+                launch.setdefault(plan.split, (plan.threads, plan.smem))
+                launch.setdefault(plan.merge, (plan.threads, 0))
     return [
-        Variant(pk.KERNEL_FILE, pk.kernel_name(dt, d, d), pk.BLOCK, 0)
-        for dt in ("float32", "float64")
-        for d in pk.DIMS
+        Variant(source, name, *launch[name])
+        for source, names in decode.COMPILE_VARIANTS.items()
+        for name in names
     ]
 
 
 def all_variants() -> list[Variant]:
-    return _forward_variants() + _backward_variants() + _paged_variants()
+    return _forward_variants() + _backward_variants() + _decode_variants()
 
 
 def load_one(v: Variant) -> dict:

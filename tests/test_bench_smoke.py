@@ -183,17 +183,20 @@ def _load_script(name: str):
 
 def test_gpu_sanitize_script_runs_its_cases_on_numpy_and_flags_non_finite(capsys, monkeypatch):
     """The sanitizer driver's calls run on NumPy (every option it passes is accepted), one
-    line per case; a NaN anywhere in an output or gradient makes it exit 1."""
+    line per case; ``--check`` compares each with float64 (itself, on NumPy); a NaN
+    anywhere in an output or gradient makes it exit 1."""
     import numpy as np
 
     script = _load_script("gpu_sanitize")
-    assert script.main(["--xp", "numpy", "--small"]) == 0
-    out = capsys.readouterr().out
     names = [name for name, _ in script.cases(small=True)]
-    for name in names:  # NumPy has no bfloat16
-        status = "skipped (no such dtype here)" if name.startswith("bfloat16") else "ok"
-        assert f"{name}: {status}\n" in out
-    assert out.endswith("0 case(s) not finite\n")
+    for args, label in (([], "finite"), (["--check"], "ok")):
+        assert script.main(["--xp", "numpy", "--small", *args]) == 0
+        out = capsys.readouterr().out
+        for name in names:  # NumPy has no bfloat16
+            skipped = name.startswith("bfloat16")
+            status = "skipped (no such dtype here)" if skipped else label
+            assert f"{name}: {status}" in out
+        assert out.endswith("0 case(s) failed\n")
 
     real_vjp = script.aa.vjp
 
@@ -205,4 +208,4 @@ def test_gpu_sanitize_script_runs_its_cases_on_numpy_and_flags_non_finite(capsys
 
     monkeypatch.setattr(script.aa, "vjp", poisoned)
     assert script.main(["--xp", "numpy", "--small"]) == 1
-    assert "float32 E64 full: NOT FINITE" in capsys.readouterr().out
+    assert "float32 E64 full: FAILED" in capsys.readouterr().out

@@ -22,6 +22,8 @@ def register() -> None:
     if importlib.util.find_spec("cupy") is None:
         raise ImportError("cupy is not installed; implementation='fused' is unavailable")
     from ..ops.attention import register_implementation
-    from .fused import FUSED, declines
+    from .fused import FUSED, auto_declines, declines
 
-    register_implementation("fused", FUSED, declines=declines, auto_rank=-1)
+    register_implementation(
+        "fused", FUSED, declines=declines, auto_rank=-1, auto_declines=auto_declines
+    )

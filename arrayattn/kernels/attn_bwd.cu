@@ -42,6 +42,7 @@
 // these very kernels.
 
 #include "common.cuh"
+#include "elem16.cuh"
 
 #ifndef AA_BWD_EMULATION
 #define AA_BWD_DEV __device__ __forceinline__
@@ -50,48 +51,6 @@
 #define AA_BWD_DEV inline
 #define AA_BWD_SMEM(name) unsigned char* name = aa_emu_smem()
 #endif
-
-// ---------------------------------------------------------------------------------------
-// Element types. float and double are themselves; the 16-bit types are tags whose storage
-// is unsigned short (no cuda_fp16.h: NVRTC needs no include path), converted with cvt.
-// ---------------------------------------------------------------------------------------
-struct AaF16 {};   // float16
-struct AaBF16 {};  // bfloat16
-
-#ifndef AA_BWD_EMULATION
-AA_BWD_DEV float aa_bwd_f16_to_f(unsigned short x) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(x));
-    return f;
-}
-AA_BWD_DEV unsigned short aa_bwd_f_to_f16(float x) {
-    unsigned short r;
-    asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(r) : "f"(x));
-    return r;
-}
-AA_BWD_DEV float aa_bwd_bf16_to_f(unsigned short x) { return __int_as_float((int)x << 16); }
-AA_BWD_DEV unsigned short aa_bwd_f_to_bf16(float x) {
-    unsigned short r;
-    asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(r) : "f"(x));
-    return r;
-}
-#endif
-
-template <typename T> struct AaIO {
-    typedef T type;
-    AA_BWD_DEV static T to_f(T x) { return x; }
-    AA_BWD_DEV static T from_f(T x) { return x; }
-};
-template <> struct AaIO<AaF16> {
-    typedef unsigned short type;
-    AA_BWD_DEV static float to_f(unsigned short x) { return aa_bwd_f16_to_f(x); }
-    AA_BWD_DEV static unsigned short from_f(float x) { return aa_bwd_f_to_f16(x); }
-};
-template <> struct AaIO<AaBF16> {
-    typedef unsigned short type;
-    AA_BWD_DEV static float to_f(unsigned short x) { return aa_bwd_bf16_to_f(x); }
-    AA_BWD_DEV static unsigned short from_f(float x) { return aa_bwd_f_to_bf16(x); }
-};
 
 template <typename Acc> AA_BWD_DEV Acc aa_bwd_inf();
 template <> AA_BWD_DEV float aa_bwd_inf<float>() { return __int_as_float(0x7f800000); }

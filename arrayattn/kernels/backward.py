@@ -425,6 +425,8 @@ def run_kernels(
 
 # -- the implementation hook ----------------------------------------------------------------------
 def _kind(spec: AttentionSpec) -> str | None:
+    if spec.kernel_kind is not None:  # bfloat16 as int16 storage (fused._bridge)
+        return spec.kernel_kind
     xp = spec.xp
     for name in ("float16", "bfloat16", "float32", "float64"):
         dt = getattr(xp, name, None)

@@ -10,6 +10,8 @@ What runs in the kernel (``attn_fwd.cu``) and what does not:
   the seed-defined dropout, ``return_lse``, dense bool and float ``attn_mask`` of any
   broadcastable shape (read in the kernel through element strides; a float mask is first
   cast to the kernel's accumulation dtype, a copy of the mask's own, unbroadcast shape).
+* Decode-shaped calls (``L <= 16`` query rows over ``S >= 128`` keys, no mask, no
+  dropout) run the split-KV decode kernels of ``decode.py`` instead of the prefill kernel.
 * ``sinks`` (folded into each row's denominator at the end of the online softmax) and
   ``alibi_slopes`` (``-slope * |i + offset - j|`` computed per element from indices: no
   ``L x S`` bias), read as contiguous ``(batch * Hq,)`` arrays in the accumulation dtype.
@@ -49,7 +51,7 @@ from .tiles import (
     tile_config,
 )
 
-__all__ = ["FusedAttention", "FUSED", "declines", "kernel_diagonal"]
+__all__ = ["FusedAttention", "FUSED", "declines", "auto_declines", "kernel_diagonal", "kernel_kind"]
 
 _KINDS = ("float16", "bfloat16", "float32", "float64")
 _GRID_YZ_MAX = 65535
@@ -61,17 +63,24 @@ POISON_OUTPUTS = False
 row or column the kernel fails to write shows up in the result."""
 
 
-def _kind(spec: AttentionSpec) -> str | None:
-    name = str(spec.dtype)
+def kernel_kind(spec: AttentionSpec) -> str | None:
+    """The kernels' dtype name for the call (``"float16"``, ``"bfloat16"``, ``"float32"``,
+    ``"float64"``; bfloat16 also when the arrays are its int16 storage), or ``None``."""
+    if spec.kernel_kind is not None:
+        return spec.kernel_kind
+    name = str(spec.dtype).removeprefix("torch.")
     return name if name in _KINDS else None
+
+
+_kind = kernel_kind
 
 
 def _compute_capability(spec: AttentionSpec) -> int:
     import cupy
 
-    dev = spec.device
-    dev_id = dev.id if hasattr(dev, "id") else cupy.cuda.runtime.getDevice()
-    return int(cupy.cuda.Device(dev_id).compute_capability)
+    from ._bridge import _device_index
+
+    return int(cupy.cuda.Device(_device_index(spec)).compute_capability)
 
 
 def _is_block(spec: AttentionSpec) -> bool:
@@ -98,11 +107,25 @@ def kernel_diagonal(spec: AttentionSpec) -> int | None:
     return None
 
 
+def auto_declines(spec: AttentionSpec) -> str | None:
+    """What ``implementation="auto"`` adds: CuPy arrays only. PyTorch CUDA tensors and JAX
+    GPU arrays reach the kernels (through DLPack) when ``implementation="fused"`` is
+    named; ``"auto"`` keeps them on the array-API paths until that route has run on a
+    GPU."""
+    if not is_cupy(spec.xp):
+        return f"{library_name(spec.xp)} arrays reach the fused kernels only when named"
+    return None
+
+
 def declines(spec: AttentionSpec) -> str | None:
     """``None`` when the fused forward kernel runs this call, else the reason it does not
     (used by ``implementation="auto"`` to fall back and by ``"fused"`` for its error)."""
     if not is_cupy(spec.xp):
-        return f"the fused kernels need CuPy arrays, got {library_name(spec.xp)} arrays"
+        from . import _bridge
+
+        reason = _bridge.declines(spec)
+        if reason is not None:
+            return reason
     kind = _kind(spec)
     if kind is None:
         return f"no fused kernel for dtype {spec.dtype}; expected one of {_KINDS}"
@@ -265,6 +288,11 @@ class FusedAttention:
         the inputs' device."""
         import cupy
 
+        if not is_cupy(spec.xp):
+            from . import _bridge
+
+            if _bridge.bridge_for(spec, query, key, value) is not None:  # PyTorch / JAX GPU
+                return _bridge.forward(self, spec, query, key, value, attn_mask)
         dev = getattr(spec.device, "id", None)
         if dev is None:
             return self._forward(spec, query, key, value, attn_mask)
@@ -291,6 +319,11 @@ class FusedAttention:
                 lse = cupy.ascontiguousarray(lse).reshape(spec.lse_shape)
             return out, lse
 
+        from . import decode
+
+        if decode.declines(spec, attn_mask is not None) is None:
+            return decode.forward(spec, query, key, value)
+
         softcap = spec.softcap is not None
         dropout = spec.dropout_p > 0.0
         mask_kind = 0 if attn_mask is None else (1 if spec.mask_kind == "bool" else 2)
@@ -304,7 +337,7 @@ class FusedAttention:
         out = cupy.empty((B, Hq, L, d), dtype=q.dtype)
         lse = cupy.empty((B, Hq, L), dtype=lse_dtype)
         if POISON_OUTPUTS:
-            out.fill(np.nan)
+            out.fill(np.nan if out.dtype.kind == "f" else -1)  # -1: the bits of a bf16 NaN
             lse.fill(np.nan)
         null = np.uint64(0)
         mask_arr: Any = null
@@ -369,6 +402,11 @@ class FusedAttention:
         and optionally ``declines(spec) -> str | None``; without it (or when it declines)
         the array-API backward runs on the saved LSE (chunked for large score matrices)."""
         args = (spec, query, key, value, attn_mask, out, lse, d_out, d_lse)
+        if not is_cupy(spec.xp):
+            from . import _bridge
+
+            if _bridge.bridge_for(spec, query, key, value) is not None:  # PyTorch / JAX GPU
+                return _bridge.backward(*args)
         if importlib.util.find_spec(_BACKWARD_MODULE) is not None:
             bwd = importlib.import_module(_BACKWARD_MODULE)
             decline = getattr(bwd, "declines", None)

@@ -1,42 +1,39 @@
-"""The CUDA kernel path of ``PagedKVCache.attend`` on CuPy (``kernels/paged_attn.cu``): one
-thread per query row reads its sequence's pages in place through the block table.
+"""The CUDA kernel path of ``PagedKVCache.attend`` on CuPy: the split-KV decode kernels of
+``arrayattn/kernels/decode_attn.cu`` read each sequence's pages in place through the
+block table (no page is copied or gathered), the keys of a sequence split across thread
+blocks and merged by LSE (``arrayattn/kernels/decode.py``).
 
-:func:`kernel_arguments` builds the launch's arguments in the kernel's order from the
-cache and the call; the CPU tests launch the kernel's own source (compiled with g++) with
-the very same arguments on NumPy arrays.
+:func:`attend_with_kernel` takes a ``launch`` and an allocating namespace, so the CPU
+tests run the kernels' own source under the host emulator with the very arguments the
+GPU gets (``tests/nn/test_paged_kernel.py``).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from .._backend import Array, device_of
+from .._backend import Array
+from ..kernels import decode
+from ..kernels.tiles import DIAG_FROM_LENGTHS
 
-__all__ = ["kernel_supports", "kernel_arguments", "kernel_name", "attend_with_kernel"]
-
-KERNEL_FILE = "paged_attn.cu"
-DIMS = (64, 128, 256)  # the per-thread register arrays of the instantiations
-BLOCK = 128
+__all__ = ["kernel_supports", "attend_with_kernel"]
 
 
-def kernel_name(dtype_name: str, D: int, Dv: int) -> str:
-    """The template instantiation for ``dtype_name`` and head dims ``D``, ``Dv``."""
-    ctype = {"float32": "float", "float64": "double"}[dtype_name]
-    dmax = next(n for n in DIMS if n >= D)
-    dvmax = next(n for n in DIMS if n >= Dv)
-    return f"aa_paged_attn<{ctype}, {dmax}, {dvmax}>"
+def kernel_supports(cache_dtype: str, query_dtype: str, D: int, Dv: int, attn_mask: Any) -> bool:
+    """Whether the kernels take the call: the query in the cache's dtype (float16,
+    bfloat16, float32 or float64), head dims multiples of 8 up to 256, no ``attn_mask``."""
+    return (
+        attn_mask is None
+        and cache_dtype == query_dtype
+        and cache_dtype in ("float16", "bfloat16", "float32", "float64")
+        and decode.decode_plan(cache_dtype, D, Dv) is not None
+    )
 
 
-def kernel_supports(dtype_name: str, D: int, Dv: int, attn_mask: Any) -> bool:
-    """Whether the kernel takes the call: float32/float64, head dims <= 256, no mask."""
-    return dtype_name in ("float32", "float64") and max(D, Dv) <= DIMS[-1] and attn_mask is None
-
-
-def kernel_arguments(
+def attend_with_kernel(
     cache: Any,
     query: Array,
     q_lengths: Sequence[int],
@@ -47,65 +44,65 @@ def kernel_arguments(
     softcap: float | None,
     sinks: Array | None,
     alibi_slopes: Array | None,
-) -> tuple[list[Any], Array, int]:
-    """``(args, out, rows)``: the kernel's arguments in order (arrays of the cache's
-    library, typed NumPy scalars), the output array they write and the number of rows
-    (threads)."""
-    xp = cache.xp
-    dev = device_of(query)
+    launch: decode.Launch | None = None,
+    alloc: Any = None,
+) -> Array:
+    """``(B, Hq, L, Dv)`` in ``query``'s dtype: query row ``i < q_lengths[b]`` is the
+    token at ``lengths[b] - q_lengths[b] + i`` (bottom-right), padding rows are 0.
+
+    ``launch``/``alloc``: the launcher and the allocating namespace of
+    :func:`arrayattn.kernels.decode.run_decode` (default: CuPy's; the CPU tests pass the
+    host emulator's with NumPy arrays).
+    """
     B, Hq, L, D = (int(d) for d in query.shape)
-    real = np.float64 if query.dtype == xp.float64 else np.float32
-    dt = xp.float64 if real is np.float64 else xp.float32
+    Hkv, P, Dv = cache.num_kv_heads, cache.page_size, cache.value_dim
+    kind = str(query.dtype)
+    f64 = kind == "float64"
+    acc = np.float64 if f64 else np.float32
+    if launch is None:
+        import cupy
+
+        def put(a: np.ndarray) -> Any:
+            return cupy.asarray(np.ascontiguousarray(a))
+
+        def host(a: Any) -> np.ndarray:
+            return cupy.asnumpy(a)
+
+        launch, alloc = decode._cupy_launch, cupy
+        sm_count = decode._sm_count(cupy.cuda.runtime.getDevice())
+        q = cupy.ascontiguousarray(query)
+    else:
+        put, host, sm_count = np.ascontiguousarray, np.asarray, 132
+        q = np.ascontiguousarray(query)
+    lengths = [int(n) for n in np.asarray(cache.lengths).tolist()]
     max_pages = max(1, max(len(t) for t in cache.block_tables))
-    tables = np.zeros((B, max_pages), dtype=np.int64)
+    tables = np.zeros((B, max_pages), dtype=np.int32)
     for b, t in enumerate(cache.block_tables):
         tables[b, : len(t)] = t
+    left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
 
-    def ints(a: Any) -> Array:
-        return xp.asarray(np.asarray(a, dtype=np.int64).tolist(), dtype=xp.int64, device=dev)
+    def per_head(a: Any) -> Any:  # (Hq,) or (B, Hq) -> contiguous (B * Hq,)
+        if a is None:
+            return None
+        h = host(a).astype(acc)
+        h = np.broadcast_to(h.reshape((1,) * (2 - h.ndim) + h.shape), (B, Hq))
+        return put(np.ascontiguousarray(h).reshape(B * Hq))
 
-    dummy = xp.zeros((1,), dtype=dt, device=dev)
-    if alibi_slopes is None:
-        slopes, bstride = dummy, 0
-    else:
-        slopes = xp.astype(alibi_slopes, dt)
-        bstride = Hq if slopes.ndim == 2 else 0
-    out = xp.empty((B, Hq, L, cache.value_dim), dtype=dt, device=dev)
-    left, right = (-1, -1) if window is None else window
-    args = [
-        xp.astype(query, dt),
-        cache.keys,
-        cache.values,
-        ints(tables),
-        ints(cache.lengths),
-        ints(q_lengths),
-        dummy if sinks is None else xp.astype(sinks, dt),
-        slopes,
-        out,
-        *(np.int32(n) for n in (B, Hq, cache.num_kv_heads, L, D, cache.value_dim)),
-        np.int32(cache.page_size),
-        np.int32(max_pages),
-        real(scale),
-        real(0.0 if softcap is None else softcap),
-        np.int32(bool(causal)),
-        np.int32(left),
-        np.int32(right),
-        np.int32(bstride),
-        np.int32(sinks is not None),
-        np.int32(alibi_slopes is not None),
-    ]
-    return args, out, B * Hq * L
-
-
-def attend_with_kernel(cache: Any, query: Array, q_lengths: Sequence[int], **options: Any) -> Array:
-    """Launch the kernel on CuPy arrays; returns ``(B, Hq, L, Dv)`` in ``query``'s dtype."""
-    import cupy
-
-    from ..kernels._loader import get_kernel
-
-    args, out, rows = kernel_arguments(cache, query, q_lengths, **options)
-    args = [cupy.ascontiguousarray(a) if isinstance(a, cupy.ndarray) else a for a in args]
-    name = kernel_name(str(out.dtype), int(query.shape[-1]), cache.value_dim)
-    kern = get_kernel(KERNEL_FILE, name)
-    kern((max(1, math.ceil(rows / BLOCK)),), (BLOCK,), tuple(args))
-    return out if out.dtype == query.dtype else out.astype(query.dtype)
+    plan = decode.decode_plan(kind, D, Dv, Hq // Hkv * L)
+    assert plan is not None
+    out, _ = decode.run_decode(
+        alloc, launch, plan,
+        q, (Hq * L * D, L * D, D),
+        cache.keys, (Hkv * P * D, P * D, D),
+        cache.values, (Hkv * P * Dv, P * Dv, Dv),
+        batch=B, heads=Hq, kv_heads=Hkv, rows=L, keys=max([1, *lengths]), e=D, ev=Dv,
+        scale=scale, out_dtype=q.dtype, diag=DIAG_FROM_LENGTHS, window=(left, right),
+        tables=put(tables), page_size=P,
+        q_lens=put(np.asarray(q_lengths, dtype=np.int32)),
+        kv_lens=put(np.asarray(lengths, dtype=np.int32)),
+        softcap=softcap, alibi=per_head(alibi_slopes), sinks=per_head(sinks),
+        sm_count=sm_count,
+    )  # fmt: skip
+    return out

@@ -64,8 +64,9 @@ class PagedKVCache:
     #: Keys of each sequence one step of :meth:`attend` reads (whole pages, at least one):
     #: the block size of its online softmax.
     keys_per_step: int = 128
-    #: On CuPy, run :meth:`attend` as the CUDA kernel of ``kernels/paged_attn.cu`` (one
-    #: thread per query row reading the pages in place) when it takes the call.
+    #: On CuPy, run :meth:`attend` on the split-KV decode kernels of
+    #: ``kernels/decode_attn.cu`` (pages read in place through the block table, the keys
+    #: of a sequence split across thread blocks) when they take the call.
     use_kernel: bool = True
 
     def __init__(
@@ -312,7 +313,7 @@ class PagedKVCache:
         if (
             self.use_kernel
             and array_api_compat.is_cupy_array(query)
-            and kernel_supports(str(query.dtype), D, self.value_dim, attn_mask)
+            and kernel_supports(str(self._dtype), str(query.dtype), D, self.value_dim, attn_mask)
         ):
             return attend_with_kernel(
                 self,

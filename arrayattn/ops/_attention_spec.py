@@ -109,6 +109,10 @@ class AttentionSpec:
     # ``return_lse``, outside ``vjp``): a path may arrange its work for the output alone.
     # The LSE it returns must still be right (the Dask path's is then a graph of its own).
     lse_wanted: bool = True
+    # Private: the arrays are the raw 16-bit storage (int16) of this floating kind, which
+    # the array library cannot hold (bfloat16 handed to CuPy from PyTorch or JAX through
+    # DLPack, arrayattn/kernels/fused.py): only the fused kernels take such a spec.
+    kernel_kind: str | None = None
 
     def as_block(
         self,

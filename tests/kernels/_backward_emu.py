@@ -41,10 +41,10 @@ def cuda_include() -> Path | None:
     return None
 
 
-def _source(names: list[str]) -> str:
+def _source(names: list[str], kernel_file: str = "attn_bwd.cu") -> str:
     lines = [
         '#include "backward_emulator.h"',
-        '#include "attn_bwd.cu"',
+        f'#include "{kernel_file}"',
         "#include <cstring>",
         "struct AaEmuEntry { const char* name; void (*call)(void**); };",
         "static const AaEmuEntry aa_emu_entries[] = {",
@@ -62,6 +62,10 @@ def _source(names: list[str]) -> str:
         "    }",
         "    return -1;",
         "}",
+    ]
+    if kernel_file != "attn_bwd.cu":
+        return "\n".join(lines) + "\n"
+    lines += [
         "// The schedule helpers, for comparison with their Python mirrors.",
         'extern "C" void aa_emu_row_range(int c0, int c1, int off, int left, int right,',
         "                                 int q_len, int* out) {",
@@ -84,13 +88,15 @@ def compile_library(
     work: Path,
     flags: tuple[str, ...] = ("-O1",),
     kernels_dir: Path | None = None,
+    kernel_file: str = "attn_bwd.cu",
 ) -> Path:
-    """Compile the emulator library for the instantiations ``names`` with ``flags``
-    (optimisation, sanitizers); cached in ``work`` by content and flags. ``kernels_dir``
-    replaces the package's kernel sources (a mutated copy)."""
+    """Compile the emulator library for the instantiations ``names`` of ``kernel_file``
+    (``attn_bwd.cu`` or ``decode_attn.cu``) with ``flags`` (optimisation, sanitizers);
+    cached in ``work`` by content and flags. ``kernels_dir`` replaces the package's kernel
+    sources (a mutated copy)."""
     kernels = kernels_dir or Path(str(resources.files("arrayattn.kernels")))
     inc = cuda_include()
-    text = _source(names)
+    text = _source(names, kernel_file)
     digest = hashlib.sha256(
         (
             " ".join(flags)
@@ -99,8 +105,9 @@ def compile_library(
                 (HERE / h).read_text()
                 for h in ("backward_emulator.h", "emulator_warp.h", "emulator_barrier.h")
             )
-            + (kernels / "attn_bwd.cu").read_text()
+            + (kernels / kernel_file).read_text()
             + (kernels / "common.cuh").read_text()
+            + (kernels / "elem16.cuh").read_text()
         ).encode()
     ).hexdigest()[:16]
     lib = work / f"aa_bwd_emu_{digest}.so"
@@ -144,9 +151,10 @@ def load(lib: Path) -> ctypes.CDLL:
     return dll
 
 
-def build(names: list[str], work: Path) -> ctypes.CDLL:
-    """Compile (cached) and load the emulator library for the instantiations ``names``."""
-    return load(compile_library(names, work))
+def build(names: list[str], work: Path, kernel_file: str = "attn_bwd.cu") -> ctypes.CDLL:
+    """Compile (cached) and load the emulator library for the instantiations ``names`` of
+    ``kernel_file``."""
+    return load(compile_library(names, work, kernel_file=kernel_file))
 
 
 _SCALARS = {
@@ -162,8 +170,9 @@ _SCALARS = {
 class Launcher:
     """``launch(name, grid, threads, smem, args)`` on the emulator; records every launch."""
 
-    def __init__(self, dll: ctypes.CDLL):
+    def __init__(self, dll: ctypes.CDLL, strided: bool = False):
         self.dll = dll
+        self.strided = strided  # kernels that take element strides accept views
         self.launches: list[tuple[str, tuple[int, int, int], int, int]] = []
 
     def __call__(self, name: str, grid, threads: int, smem: int, args) -> None:
@@ -171,7 +180,7 @@ class Launcher:
         ptrs = (ctypes.c_void_p * len(args))()
         for i, a in enumerate(args):
             if isinstance(a, np.ndarray):
-                assert a.flags.c_contiguous, f"argument {i} of {name} is not contiguous"
+                assert self.strided or a.flags.c_contiguous, f"argument {i} of {name} is strided"
                 obj = ctypes.c_void_p(a.ctypes.data)
             elif isinstance(a, np.generic):
                 obj = _SCALARS[a.dtype](a.item())
@@ -198,6 +207,8 @@ class PoisonXp:
         dt = np.dtype(dtype)
         if dt == np.uint16:
             return np.full(shape, 0xFFFF, dtype=dt)
+        if dt == np.int16:  # bfloat16 storage handed over by the DLPack bridge
+            return np.full(shape, -1, dtype=dt)
         return np.full(shape, np.nan, dtype=dt)
 
     @staticmethod

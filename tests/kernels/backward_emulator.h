@@ -14,6 +14,7 @@
 #include "emulator_warp.h"
 
 #define AA_BWD_EMULATION 1
+#define AA_HOST_EMULATION 1  // elem16.cuh: the tags and conversions below
 
 using std::max;
 using std::min;
@@ -34,13 +35,13 @@ inline double __longlong_as_double(long long x) {
 inline void aa_ldsm_x4(aa_u32 (&r)[4], const void* p) { aa_emu_ldsm(r, p, false); }
 inline void aa_ldsm_x4_t(aa_u32 (&r)[4], const void* p) { aa_emu_ldsm(r, p, true); }
 
-struct AaF16;   // the kernel file's 16-bit type tags
-struct AaBF16;
+struct AaF16 {};   // elem16.cuh's 16-bit type tags
+struct AaBF16 {};
 
-inline float aa_bwd_f16_to_f(unsigned short x) { return aa_emu_bits_to_float(x, false); }
-inline unsigned short aa_bwd_f_to_f16(float x) { return aa_emu_float_to_bits(x, false); }
-inline float aa_bwd_bf16_to_f(unsigned short x) { return aa_emu_bits_to_float(x, true); }
-inline unsigned short aa_bwd_f_to_bf16(float x) { return aa_emu_float_to_bits(x, true); }
+inline float aa_f16_to_f(unsigned short x) { return aa_emu_bits_to_float(x, false); }
+inline unsigned short aa_f_to_f16(float x) { return aa_emu_float_to_bits(x, false); }
+inline float aa_bf16_to_f(unsigned short x) { return aa_emu_bits_to_float(x, true); }
+inline unsigned short aa_f_to_bf16(float x) { return aa_emu_float_to_bits(x, true); }
 
 template <typename T> struct AaMma;
 template <> struct AaMma<AaF16> {

@@ -33,6 +33,11 @@ def _fake_cupy() -> types.ModuleType:
     m.float16, m.float32, m.float64, m.int32 = np.float16, np.float32, np.float64, np.int32
     m.bool_, m.uint8 = np.bool_, np.uint8
     m.empty = emu.PoisonXp.empty
+    m.int16, m.dtype, m.from_dlpack = np.int16, np.dtype, np.from_dlpack  # the bridge's
+    device = types.SimpleNamespace(id=0, compute_capability="90")
+    m.cuda = types.SimpleNamespace(
+        Device=lambda i=0: device, runtime=types.SimpleNamespace(getDevice=lambda: 0)
+    )
     return m
 
 
@@ -189,10 +194,50 @@ def test_compute_capability_of_three_digits(monkeypatch):
         device = types.SimpleNamespace(compute_capability=cc)
         fake = types.ModuleType("cupy")
         fake.cuda = types.SimpleNamespace(
-            runtime=types.SimpleNamespace(getDevice=lambda: 0), Device=lambda i=0: device
+            runtime=types.SimpleNamespace(getDevice=lambda: 0),
+            Device=lambda i=0, device=device: device,
         )
         monkeypatch.setitem(sys.modules, "cupy", fake)
         monkeypatch.setattr(bwd, "is_cupy", lambda xp: True)
         monkeypatch.setattr(fused, "is_cupy", lambda xp: True)
         for reason in (bwd.declines(spec), fused.declines(spec)):
             assert (reason is not None and "compute capability" in reason) == declined, reason
+
+
+def test_torch_bfloat16_backward_through_the_dlpack_bridge(kernels_on_host, monkeypatch, tmp_path):
+    """PyTorch bfloat16 tensors through the bridge (``kernels/_bridge.py``): int16 storage
+    into the backward kernels, bfloat16 gradients back. CPU tensors play CUDA ones."""
+    torch = pytest.importorskip("torch")
+    import array_api_compat
+
+    from arrayattn._backend import CupyBridge
+    from arrayattn.kernels import _bridge, fused
+    from arrayattn.ops import _composed
+
+    plan = bwd.backward_plan("bfloat16", 32, 32)
+    names = [n for n in (plan.preprocess, plan.dkdv, plan.dq, plan.convert) if n]
+    lib = emu.build(names, tmp_path)
+    monkeypatch.setattr(bwd, "_cupy_launch", emu.Launcher(lib))
+    fake_cxp = types.ModuleType("array_api_compat.cupy")  # is_cupy_namespace: by name
+    monkeypatch.setitem(sys.modules, "array_api_compat.cupy", fake_cxp)
+    monkeypatch.setattr(
+        _bridge, "cupy_bridge",
+        lambda xp, device, *a: CupyBridge("torch") if array_api_compat.is_torch_namespace(xp)
+        else None,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 19, 32, generator=g).to(torch.bfloat16)
+    k = torch.randn(2, 2, 23, 32, generator=g).to(torch.bfloat16)
+    v = torch.randn(2, 2, 23, 32, generator=g).to(torch.bfloat16)
+    d_out = torch.randn(2, 4, 19, 32, generator=g).to(torch.bfloat16)
+    spec = make_spec(q, k, v, None, 0.0, True, None, True, "bottom_right", None, None, None)
+    spec32 = make_spec(q.float(), k.float(), v.float(), None, 0.0, True, None, True,
+                       "bottom_right", None, None, None)  # fmt: skip
+    f32 = [x.float() for x in (q, k, v)]
+    out32, lse = _composed.forward(spec32, *f32, None)
+    want = _composed.backward(spec32, *f32, None, out32, lse, d_out.float(), None)[:3]
+    got = fused.FUSED.backward(spec, q, k, v, None, out32.to(torch.bfloat16), lse, d_out, None)
+    for name, a, w in zip(("dq", "dk", "dv"), got[:3], want, strict=True):
+        assert isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16, name
+        err = float((a.float() - w).norm() / w.norm())
+        assert err <= 3e-2, (name, err)

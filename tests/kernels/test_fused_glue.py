@@ -138,6 +138,9 @@ def _fake_cupy(work: Path) -> types.ModuleType:
         "float16",
         "float32",
         "float64",
+        "int16",
+        "dtype",
+        "from_dlpack",
     ):
         setattr(cp, name, getattr(np, name))
     # array_api_compat's is_cupy_array looks up cupy.ndarray once cupy is imported: a class
@@ -148,6 +151,12 @@ def _fake_cupy(work: Path) -> types.ModuleType:
         def __init__(self, i: int = 0) -> None:
             self.id = i
             self.compute_capability = "90"
+
+        def __enter__(self) -> _Device:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
 
     cp.cuda = types.SimpleNamespace(
         runtime=types.SimpleNamespace(getDevice=lambda: 0), Device=_Device
@@ -298,3 +307,52 @@ def test_block_of_a_larger_call_keeps_its_diagonal_float32(fake_cupy, row0, col0
     np.testing.assert_allclose(out, ref_out, rtol=2e-5, atol=2e-6)
     fin = np.isfinite(ref_lse)
     np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=1e-5, atol=1e-5)
+
+
+def test_torch_tensors_through_the_dlpack_bridge_bfloat16_and_float16(fake_cupy, monkeypatch):
+    """PyTorch tensors reach the kernels through DLPack (``kernels/_bridge.py``): bfloat16
+    as its int16 storage, the output back as a bfloat16 tensor. Here CPU tensors play the
+    CUDA ones (NumPy plays CuPy); on a GPU, tests/kernels/test_fused_gpu.py runs it."""
+    torch = pytest.importorskip("torch")
+    import array_api_compat
+
+    import arrayattn as aa
+    from arrayattn._backend import CupyBridge
+    from arrayattn.kernels import _bridge
+    from arrayattn.ops import attention
+
+    registered = attention._Registered(fused.FUSED, fused.declines, -1, fused.auto_declines)
+    monkeypatch.setitem(attention._REGISTRY, "fused", registered)  # as kernels.register()
+    fake_cxp = types.ModuleType("array_api_compat.cupy")  # is_cupy_namespace: by name
+    monkeypatch.setitem(sys.modules, "array_api_compat.cupy", fake_cxp)
+    monkeypatch.setattr(
+        _bridge, "cupy_bridge",
+        lambda xp, device, *a: CupyBridge("torch") if array_api_compat.is_torch_namespace(xp)
+        else None,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float16, 4e-3)):
+        q = torch.randn(2, 4, 37, 64, generator=g).to(dtype)
+        k = torch.randn(2, 2, 70, 64, generator=g).to(dtype)
+        v = torch.randn(2, 2, 70, 64, generator=g).to(dtype)
+        sinks = torch.randn(4, generator=g).to(dtype)
+        kw = dict(is_causal=True, causal_align="bottom_right", enable_gqa=True, sinks=sinks,
+                  return_lse=True)  # fmt: skip
+        before = [x.clone() for x in (q, k, v)]
+        out, lse = aa.scaled_dot_product_attention(q, k, v, implementation="fused", **kw)
+        assert isinstance(out, torch.Tensor) and out.dtype == dtype and lse.dtype == torch.float32
+        for x, b in zip((q, k, v), before, strict=True):
+            assert torch.equal(x, b)  # inputs untouched
+        kw32 = dict(kw, sinks=sinks.float())
+        ref, ref_lse = aa.scaled_dot_product_attention(
+            q.float(), k.float(), v.float(), implementation="composed", **kw32
+        )
+        err = float((out.float() - ref).norm() / ref.norm())
+        assert err <= tol, err
+        assert float((lse - ref_lse).abs().max()) <= 1e-4
+    # "auto" keeps PyTorch tensors off this route until it has run on a GPU
+    from arrayattn.ops._attention_spec import make_spec
+    from arrayattn.ops.attention import auto_choice
+
+    spec = make_spec(q, k, v, None, 0.0, True, None, True, "top_left", None, None, None)
+    assert auto_choice(spec) != "fused"

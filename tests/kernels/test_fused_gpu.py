@@ -341,6 +341,45 @@ def test_sinks_and_alibi(dtype) -> None:
     assert np.max(np.abs(lse - ref_lse)) <= lse_tol * max(1, np.abs(ref_lse).max())
 
 
+DECODE_CASES = {
+    # (B, Hq, Hkv, L, S, E, options): L <= 16 over S >= 128 runs the split-KV decode kernels
+    "gqa_one_token_lengths": (2, 8, 2, 1, 1000, 128,
+                              dict(is_causal=True, causal_align="bottom_right",
+                                   kv_lens=(1000, 300))),
+    "speculative_five_rows": (1, 4, 4, 5, 4100, 64,
+                              dict(is_causal=True, causal_align="bottom_right")),
+    "mqa_e80_softcap": (3, 4, 1, 1, 129, 80, dict(softcap=5.0)),
+    "window_top_left_q_lengths": (2, 4, 2, 16, 700, 64,
+                                  dict(window=(100, 3), q_lens=(16, 3), kv_lens=(700, 0))),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_shapes_run_the_decode_kernels(monkeypatch, dtype, case) -> None:
+    from arrayattn.kernels import decode
+
+    calls = []
+    real = decode.forward
+    monkeypatch.setattr(decode, "forward", lambda *a: calls.append(1) or real(*a))
+    B, Hq, Hkv, L, S, E, opts = DECODE_CASES[case]
+    _run_case(dtype, B, Hq, Hkv, L, S, E, seed_data=S, **dict(opts))
+    assert calls, "the decode kernels did not run"
+
+
+def test_decode_and_prefill_kernels_agree(monkeypatch) -> None:
+    rs = cp.random.RandomState(4)
+    q = rs.standard_normal((2, 32, 1, 128), dtype=cp.float32).astype(cp.float16)
+    k = rs.standard_normal((2, 8, 5000, 128), dtype=cp.float32).astype(cp.float16)
+    kw = dict(enable_gqa=True, is_causal=True, causal_align="bottom_right", return_lse=True,
+              implementation="fused")  # fmt: skip
+    out, lse = aa.scaled_dot_product_attention(q, k, k, **kw)
+    monkeypatch.setenv("ARRAYATTN_FUSED_DECODE", "0")
+    out2, lse2 = aa.scaled_dot_product_attention(q, k, k, **kw)
+    assert float(cp.abs(out.astype(cp.float32) - out2.astype(cp.float32)).max()) < 2e-3
+    assert float(cp.abs(lse - lse2).max()) < 1e-4
+
+
 def test_bfloat16_if_available() -> None:
     # NumPy may know bfloat16 (ml_dtypes, imported by JAX) while CuPy does not (CuPy 14.2
     # on the H200 of 2026-11-26): the kernels' bf16 variants are then reachable only
@@ -419,3 +458,33 @@ def test_long_sequence_memory() -> None:
             ref = (p / p.sum()) @ v[0, h, : i + 1].astype(cp.float64)
             got = out[0, h, i].astype(cp.float64)
             assert float(cp.linalg.norm(got - ref) / cp.linalg.norm(ref)) <= 5e-3
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
+@pytest.mark.parametrize("L,S", [(300, 517), (1, 2000)])  # prefill and decode kernels
+def test_torch_cuda_tensors_through_dlpack(dtype_name, L, S) -> None:
+    """PyTorch CUDA tensors reach the kernels through DLPack, bfloat16 as its storage;
+    forward and backward against float64, in the caller's dtype, inputs untouched."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch has no CUDA device")
+    dt = getattr(torch, dtype_name)
+    g = torch.Generator(device="cuda").manual_seed(L)
+    q = torch.randn(2, 8, L, 128, device="cuda", generator=g).to(dt)
+    k = torch.randn(2, 2, S, 128, device="cuda", generator=g).to(dt)
+    v = torch.randn(2, 2, S, 128, device="cuda", generator=g).to(dt)
+    d_out = torch.randn(2, 8, L, 128, device="cuda", generator=g).to(dt)
+    kw = dict(is_causal=True, causal_align="bottom_right", enable_gqa=True)
+    before = [x.clone() for x in (q, k, v)]
+    out, pullback = aa.vjp(aa.scaled_dot_product_attention, q, k, v, implementation="fused",
+                           **kw)  # fmt: skip
+    dq, dk, dv = pullback(d_out)[:3]
+    assert out.dtype == dq.dtype == dt and out.device == q.device
+    assert all(torch.equal(x, b) for x, b in zip((q, k, v), before, strict=True))
+    f64 = [x.double() for x in (q, k, v)]
+    ref, ref_pull = aa.vjp(aa.scaled_dot_product_attention, *f64, implementation="composed",
+                           **kw)  # fmt: skip
+    tol = 2e-2 if dtype_name == "bfloat16" else 3e-3
+    for got, want in zip((out, dq, dk, dv), (ref, *ref_pull(d_out.double())[:3]), strict=True):
+        err = float((got.double() - want).norm() / want.norm())
+        assert err <= 2 * tol, err

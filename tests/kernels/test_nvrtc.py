@@ -4,12 +4,12 @@
 functions, includes the CUDA runtime headers implicitly, and so on. This test hands the
 source the loader produces (``_loader.kernel_source``: local headers inlined) and every
 name expression the compile check builds (the forward variants of
-``.ci/compile_kernels.py``, ``backward.COMPILE_VARIANTS``) to NVRTC, with the loader's
-options, and checks that each name gets a lowered (mangled) name. It caught a
-``constexpr`` host function in a launch bound that nvcc accepts and NVRTC rejects. No GPU
-is needed, only ``libnvrtc`` (the ``test`` extra installs the ``nvidia-cuda-nvrtc`` wheel on
-Linux x86-64; point ``ARRAYATTN_NVRTC`` at the library file to use another). Skipped when
-it cannot be found.
+``.ci/compile_kernels.py``, ``backward.COMPILE_VARIANTS``, ``decode.COMPILE_VARIANTS``) to
+NVRTC, with the loader's options, and checks that each name gets a lowered (mangled) name.
+It caught a ``constexpr`` host function in a launch bound that nvcc accepts and NVRTC
+rejects. No GPU is needed, only ``libnvrtc`` (the ``test`` extra installs the
+``nvidia-cuda-nvrtc`` wheel on Linux x86-64; point ``ARRAYATTN_NVRTC`` at the library file
+to use another). Skipped when it cannot be found.
 """
 
 from __future__ import annotations
@@ -18,18 +18,19 @@ import _compile_check
 import pytest
 from _nvrtc import find_nvrtc, lowered_names
 
-from arrayattn.kernels.backward import COMPILE_VARIANTS
+from arrayattn.kernels import backward, decode
 
 
 def _variants() -> dict[str, list[str]]:
     """Source file -> the name expressions .ci/compile_kernels.py compiles with nvcc."""
     mod = _compile_check.load()
     out = {mod.FWD: [name for name, *_ in mod.forward_variants()]}
-    out.update(COMPILE_VARIANTS)
+    out.update(backward.COMPILE_VARIANTS)
+    out.update(decode.COMPILE_VARIANTS)
     return out
 
 
-@pytest.mark.parametrize("source", ["attn_fwd.cu", "attn_bwd.cu"])
+@pytest.mark.parametrize("source", ["attn_fwd.cu", "attn_bwd.cu", "decode_attn.cu"])
 def test_every_variant_compiles_under_nvrtc(source: str) -> None:
     lib = find_nvrtc()
     if lib is None:
