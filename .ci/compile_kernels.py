@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Compile every CUDA kernel variant for sm_90 and report registers, spills and memory.
 
-For each source under ``arrayattn/kernels`` this writes a wrapper: the source as the
+For each source under ``arrayattn/attention/cuda`` this writes a wrapper: the source as the
 CuPy loader sees it (local headers inlined) plus one host function per template
 instantiation that takes the kernel's address, which makes nvcc instantiate exactly the
 name expressions ``cupy.RawModule`` is given at run time. Each wrapper is compiled with
@@ -15,7 +15,7 @@ check was skipped and exits 0.
 
 The backward and decode kernels join the check through ``COMPILE_VARIANTS: dict[str,
 list[str]]`` (source file -> name expressions) and ``HOT_VARIANTS: list[str]`` of
-``arrayattn/kernels/backward.py`` and ``decode.py``.
+``arrayattn/attention/cuda/backward.py`` and ``decode.py``.
 
 Usage: ``python .ci/compile_kernels.py [--jobs N] [--arch sm_90] [--hot-only]
 [--source attn_fwd.cu ...]``
@@ -39,8 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from arrayattn.kernels._loader import kernel_source  # noqa: E402
-from arrayattn.kernels.tiles import (  # noqa: E402
+from arrayattn.attention.cuda._loader import kernel_source  # noqa: E402
+from arrayattn.attention.cuda.tiles import (  # noqa: E402
     HEAD_DIMS,
     forward_kernel_name,
     is_heavy,
@@ -196,7 +196,7 @@ def _extra_variants() -> tuple[dict[str, list[str]], set[str]]:
     backward (``backward.py``) and the split-KV decode (``decode.py``)."""
     variants: dict[str, list[str]] = {}
     hot: set[str] = set()
-    for module in ("arrayattn.kernels.backward", "arrayattn.kernels.decode"):
+    for module in ("arrayattn.attention.cuda.backward", "arrayattn.attention.cuda.decode"):
         try:
             mod = importlib.import_module(module)
         except ImportError:

@@ -419,8 +419,8 @@ def measure_long(dtype: str, progress: Progress) -> dict[str, Any]:
 
 
 def _auto_choice(q, k, v, shape: Shape) -> str:
+    from arrayattn.attention.spec import make_spec
     from arrayattn.ops import attention as attn
-    from arrayattn.ops._attention_spec import make_spec
 
     spec = make_spec(q, k, v, None, 0.0, shape.causal, None, False, "top_left", None, None, None)
     impl = attn._select(spec, "auto")
@@ -512,7 +512,7 @@ def machine_description() -> dict[str, str]:
         except Exception:
             pass
     import arrayattn as aa
-    from arrayattn.ops._fast_threads import num_threads
+    from arrayattn.attention.threads import num_threads
 
     try:
         load = "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg())

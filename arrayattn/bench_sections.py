@@ -121,7 +121,7 @@ def measure_decode(shape: DecodeShape, repeats: int, dtype: str = "float32") -> 
 
         calls["torch sdpa"] = torch_call
     times = _spread(calls, repeats)
-    from arrayattn.ops._attention_spec import make_spec
+    from arrayattn.attention.spec import make_spec
     from arrayattn.ops.attention import auto_choice
 
     spec = make_spec(q, k, v, None, 0.0, True, None, True, "bottom_right", None, None, None)
@@ -189,7 +189,7 @@ def _torch_calls(q, k, v, causal: bool) -> dict[str, Callable[[], Any]]:
 
 
 def _plain_spec(q, k, v, causal: bool):
-    from .ops._attention_spec import make_spec
+    from .attention.spec import make_spec
 
     return make_spec(q, k, v, None, 0.0, causal, None, False, "top_left", None, None, None)
 
@@ -201,7 +201,7 @@ def _auto_ran(q, k, v, causal: bool) -> str:
 
 
 def _chunked_blocks(q, k, v, causal: bool) -> tuple[int, int]:
-    from .ops.chunked import block_sizes
+    from .attention.chunked import block_sizes
 
     return block_sizes(_plain_spec(q, k, v, causal))
 
@@ -341,7 +341,7 @@ def measure_crossover(repeats: int, D: int = 64) -> list[dict]:
     import numpy as np
 
     import arrayattn as aa
-    from arrayattn.ops._attention_spec import make_spec
+    from arrayattn.attention.spec import make_spec
     from arrayattn.ops.attention import auto_choice
 
     rng = np.random.default_rng(0)

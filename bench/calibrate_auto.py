@@ -4,10 +4,11 @@
 Times the composed, chunked and fast paths' forward on a table of probe
 shapes (tiny batched problems, decode, prefill; causal and not; GQA), the paths
 interleaved round by round and the minimum of ``--repeats`` rounds kept, then fits each
-path's constants (``arrayattn/ops/_cost.py``: per call, per step, per small product,
-per score element, per multiply-add) by non-negative least squares on relative error,
-and prints them as the ``COSTS`` table to paste into ``_cost.py``, with each probe's
-measured and modelled times and the path ``"auto"`` would pick.
+path's constants (its ``CostModel``: per call, per step, per small product, per score
+element, per multiply-add; ``arrayattn/attention/cost.py`` has the formula) by
+non-negative least squares on relative error, and prints them per path and library kind
+to paste into that path's ``COST`` (``composed.py``, ``chunked.py``, ``fast/__init__.py``),
+with each probe's measured and modelled times and the path ``"auto"`` would pick.
 
 Usage::
 
@@ -33,8 +34,9 @@ except ImportError:  # running from a checkout without installing
 import numpy as np
 
 import arrayattn as aa
-from arrayattn.ops import _cost
-from arrayattn.ops._attention_spec import make_spec
+from arrayattn.attention import cost as _cost
+from arrayattn.attention import registry
+from arrayattn.attention.spec import make_spec
 
 # (B, Hq, Hkv, L, S, D, causal): bottom-right causal, as a KV cache uses it.
 PROBES = (
@@ -118,15 +120,16 @@ def fit(rows: list[dict], lib: str, threads: int) -> dict[str, _cost.PathCost]:
     key = "numpy" if lib == "numpy" else "array"
     fitted = {}
     for path in rows[0]["times"]:
-        old = _cost.COSTS[(path, key)]
+        model = registry.cost_model(path)
+        old = model.constants[key]
         feats, target = [], []
         for r in rows:
-            steps, products, elements, macs = _cost.features(r["spec"], path, threads)
+            steps, products, elements, macs = model.features(r["spec"], threads)
             div = threads if old.elem_threaded else 1
             t = r["times"][path]
             # The hand-set skinny (decode) term is not fitted: take it off the time.
             only_skinny = _cost.PathCost(0, 0, 0, 0, 0, old.elem_threaded, skinny=old.skinny)
-            rest = max(t - _cost.estimate(r["spec"], path, threads, only_skinny), 0.05 * t)
+            rest = max(t - model.estimate(r["spec"], threads, only_skinny), 0.05 * t)
             # Relative error: every probe counts alike whatever its size.
             feats.append(np.array([1.0, steps, products, elements / div, macs / threads]) / t)
             target.append(rest / t)
@@ -143,17 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--libs", default="numpy,torch", help="numpy and/or torch")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
-    threads = _cost._threads()
+    threads = _cost.threads()
     for lib in args.libs.split(","):
         rows = measure(lib, args.repeats)
         fitted = fit(rows, lib, threads)
         key = "numpy" if lib == "numpy" else "array"
         print(f"# {lib}: fitted constants ({threads} threads)")
         for path, c in fitted.items():
-            print(f'    ("{path}", "{key}"): {c!r},')
+            print(f'    {path} "{key}": {c!r},')
         print(f"# {lib}: measured vs modelled (ms), and the fitted choice")
         for r in rows:
-            est = {p: _cost.estimate(r["spec"], p, threads, c) for p, c in fitted.items()}
+            est = {
+                p: registry.cost_model(p).estimate(r["spec"], threads, c) for p, c in fitted.items()
+            }
             best = min(r["times"], key=r["times"].get)
             pick = min(est, key=est.get)
             print(

@@ -6,7 +6,7 @@ products of its tile and one ``np.exp``: the forward multiplies ``Q K^T`` and ``
 and exponentiates once; the FlashAttention-2 backward recomputes ``Q K^T`` and ``exp``,
 and multiplies ``dO V^T``, ``P^T dO``, ``dS^T Q`` and ``dS K`` with two elementwise
 passes for ``dS = P * (dP - delta)``. This script times exactly those calls, single
-threaded, on the fast path's own tile shapes (``arrayattn.ops._numpy_fast``), adds them
+threaded, on the fast path's own tile shapes (``arrayattn.attention.fast.layout``), adds them
 up over the scores a shape visits (half for causal) and compares that floor, the fast
 path itself and PyTorch's SDPA, all on one thread in the same run. A floor above 1.0x
 means no NumPy tiling can match PyTorch on this machine, whatever its Python overhead
@@ -36,6 +36,7 @@ except ImportError:  # running from a checkout without installing
 
 import numpy as np
 
+from arrayattn.attention.fast import layout as _numpy_fast
 from arrayattn.bench import (
     DEFAULT_SHAPES,
     Shape,
@@ -44,7 +45,6 @@ from arrayattn.bench import (
     _torch_peer,
     parse_shapes,
 )
-from arrayattn.ops import _numpy_fast
 
 
 def _median_seconds(fn: Callable[[], Any], repeats: int, inner: int = 1) -> float:

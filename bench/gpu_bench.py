@@ -303,16 +303,16 @@ def _bench_backward(args, base, sets, causal, fwd, torch) -> list[dict]:
     return rows
 
 
-# -- backward extras (owned by the backward kernels' work, arrayattn/kernels/backward.py) --
+# -- backward extras (owned by the backward kernels' work, arrayattn/attention/cuda/backward.py) --
 def _backward_checks(args, base, sets, causal, bwd_flops, d_out, pullbacks, torch_ms,
                      bwd_row, torch_bwd) -> list[dict]:  # fmt: skip
     """Fill the backward row's gradient error against torch (max relative Frobenius error
     over dq, dk, dv) and add a ``bwd-det`` row: the deterministic backward mode
-    (``arrayattn.kernels.backward.deterministic()``), timed the same way."""
+    (``arrayattn.attention.cuda.backward.deterministic()``), timed the same way."""
     import cupy as cp
 
     import arrayattn as aa
-    from arrayattn.kernels import backward as kernels_backward
+    from arrayattn.attention.cuda import backward as kernels_backward
 
     if torch_bwd is not None:
         ours = pullbacks[0](d_out)

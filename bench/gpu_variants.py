@@ -4,9 +4,9 @@ driver what each one costs: registers, local memory (stack and spills), static a
 dynamic shared memory, and resident blocks per SM.
 
 The variants are the ones the CPU compile check knows (``.ci/compile_kernels.py``'s
-forward list, ``COMPILE_VARIANTS`` of ``arrayattn.kernels.backward`` and ``.decode``);
+forward list, ``COMPILE_VARIANTS`` of ``arrayattn.attention.cuda.backward`` and ``.decode``);
 each is loaded exactly as the library loads it
-(``arrayattn.kernels._loader.get_kernel``, with the launch's dynamic shared memory), so
+(``arrayattn.attention.cuda._loader.get_kernel``, with the launch's dynamic shared memory), so
 this also fills CuPy's on-disk kernel cache for the processes that follow.
 
 Prints a Markdown table (and writes it to ``--out``). Exit status 1 when a variant fails
@@ -47,7 +47,7 @@ def _forward_variants() -> list[Variant]:
     mod = importlib.util.module_from_spec(spec)
     sys.modules["compile_kernels"] = mod  # its dataclasses look their module up
     spec.loader.exec_module(mod)
-    from arrayattn.kernels.tiles import tile_config
+    from arrayattn.attention.cuda.tiles import tile_config
 
     out = []
     for name, kind, d, mt in mod.forward_variants():
@@ -57,7 +57,7 @@ def _forward_variants() -> list[Variant]:
 
 
 def _backward_variants() -> list[Variant]:
-    from arrayattn.kernels import backward
+    from arrayattn.attention.cuda import backward
 
     launch: dict[str, tuple[int, int]] = {}
     for kind in ("float16", "bfloat16", "float32", "float64"):
@@ -76,7 +76,7 @@ def _backward_variants() -> list[Variant]:
 
 
 def _decode_variants() -> list[Variant]:
-    from arrayattn.kernels import decode
+    from arrayattn.attention.cuda import decode
 
     launch: dict[str, tuple[int, int]] = {}
     for kind in ("float16", "bfloat16", "float32", "float64"):
@@ -101,7 +101,7 @@ def load_one(v: Variant) -> dict:
     """Compile and load ``v`` on device 0; the driver's figures for it."""
     import cupy
 
-    from arrayattn.kernels import _loader
+    from arrayattn.attention.cuda import _loader
 
     row: dict = {"source": v.source, "name": v.name, "threads": v.threads, "smem": v.smem}
     t0 = time.perf_counter()

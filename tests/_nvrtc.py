@@ -9,7 +9,7 @@ import ctypes.util
 import os
 from pathlib import Path
 
-from arrayattn.kernels import _loader
+from arrayattn.attention.cuda import _loader
 
 
 def find_nvrtc() -> ctypes.CDLL | None:

@@ -1,4 +1,4 @@
-"""The Dask implementation (``arrayattn.ops._dask``): block graphs over batch, heads and
+"""The Dask implementation (``arrayattn.attention.dask``): block graphs over batch, heads and
 sequence equal the one-process NumPy call, stay lazy, have O(blocks) tasks, and run on a
 ``dask.distributed`` cluster of worker processes."""
 
@@ -127,8 +127,8 @@ def test_output_alone_equals_numpy(chunking, option):
     # Without return_lse (outside vjp) the caller drops the LSE, and rows with one key
     # block make their output chunk in the block's own task; the LSE graph returned
     # beside it (not reachable through the public call) must still be right.
-    from arrayattn.ops import _dask as dask_path
-    from arrayattn.ops._attention_spec import make_spec
+    from arrayattn.attention import dask as dask_path
+    from arrayattn.attention.spec import make_spec
 
     qc, kc, vc = CHUNKINGS[chunking]
     options = OPTIONS[option]
@@ -384,8 +384,9 @@ def test_backward_with_rows_d_equals_numpy_on_fast_path_blocks():
 def test_rows_d_gives_the_blocks_own_gradients_bit_for_bit(dtype, rows, with_d_lse, causal):
     # A block task given its row's D (and no output) returns exactly what it returns when
     # it reads the output and computes D itself: every path forms D - dLSE first.
-    from arrayattn.ops import _dask_plan, _dask_tasks
-    from arrayattn.ops._attention_spec import make_spec
+    from arrayattn.attention.dask import plan as _dask_plan
+    from arrayattn.attention.dask import tasks as _dask_tasks
+    from arrayattn.attention.spec import make_spec
 
     r = np.random.default_rng(3)
     q, k, v = (r.standard_normal((1, 2, 2 * rows, 16)).astype(dtype) for _ in range(3))
@@ -482,7 +483,7 @@ def test_runs_on_a_local_cluster_of_worker_processes():
         v = da.from_array(v32, chunks=(1, 1, 8, 6))
         out, pb = aa.vjp(aa.scaled_dot_product_attention, q, k, v, enable_gqa=True, is_causal=True)
         got, dq = client.compute([out, pb(da.ones_like(out))[0]], sync=True)
-        tuned = client.run(lambda: sys.modules["arrayattn.ops._dask_tasks"]._HEAP_TUNED)
+        tuned = client.run(lambda: sys.modules["arrayattn.attention.dask.tasks"]._HEAP_TUNED)
     if sys.platform.startswith("linux"):  # workers keep freed memory for the next task
         assert set(tuned.values()) == {True}, tuned
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
@@ -490,7 +491,7 @@ def test_runs_on_a_local_cluster_of_worker_processes():
 
 
 def test_local_schedulers_leave_the_allocator_alone(monkeypatch):
-    from arrayattn.ops import _dask_tasks
+    from arrayattn.attention.dask import tasks as _dask_tasks
 
     monkeypatch.setattr(_dask_tasks, "_HEAP_TUNED", None)
     q = da.from_array(Q, chunks=(1, 2, 8, 8))

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import arrayattn as aa
-from arrayattn.ops import _dask_tasks
-from arrayattn.ops._dask_plan import _Block, _Call
+from arrayattn.attention.dask import tasks as _dask_tasks
+from arrayattn.attention.dask.plan import _Block, _Call
 from arrayattn.testing._compare import error_summary
 
 ROWS, D = 256, 64
@@ -45,8 +45,8 @@ def _causal_block(rows: int, head_dim: int) -> _Block:
 
 def test_the_hand_made_block_is_the_dask_plans():
     da = pytest.importorskip("dask.array")
-    from arrayattn.ops._attention_spec import make_spec
-    from arrayattn.ops._dask_plan import _plan
+    from arrayattn.attention.dask.plan import _plan
+    from arrayattn.attention.spec import make_spec
 
     x = da.zeros((1, 2, 2 * ROWS, D), chunks=(1, 2, ROWS, D), dtype=np.float32)
     spec = make_spec(x, x, x, None, 0.0, True, None, False, "top_left", None, None, None)

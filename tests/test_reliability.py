@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import arrayattn as aa
-from arrayattn.ops import chunked
+from arrayattn.attention import chunked
 
 SDPA = aa.scaled_dot_product_attention
 IMPLS = ("composed", "chunked", "fast")

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import arrayattn as aa
-from arrayattn.ops import _fast_threads
+from arrayattn.attention import threads as _fast_threads
 
 # The wide sweeps (hundreds of random examples, 1000-call loops) run only when asked for:
 # ARRAYATTN_WIDE_SWEEP=1. The default run (CI) keeps the fixed-seed subset.

@@ -1,7 +1,7 @@
 """The CUDA kernel path of ``PagedKVCache.attend`` on CuPy: the split-KV decode kernels of
-``arrayattn/kernels/decode_attn.cu`` read each sequence's pages in place through the
+``arrayattn/attention/cuda/decode_attn.cu`` read each sequence's pages in place through the
 block table (no page is copied or gathered), the keys of a sequence split across thread
-blocks and merged by LSE (``arrayattn/kernels/decode.py``).
+blocks and merged by LSE (``arrayattn/attention/cuda/decode.py``).
 
 :func:`attend_with_kernel` takes a ``launch`` and an allocating namespace, so the CPU
 tests run the kernels' own source under the host emulator with the very arguments the
@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from .._backend import Array
-from ..kernels import decode
-from ..kernels.tiles import DIAG_FROM_LENGTHS
+from ..attention.cuda import decode
+from ..attention.cuda.tiles import DIAG_FROM_LENGTHS
 
 __all__ = ["kernel_supports", "attend_with_kernel"]
 
@@ -51,7 +51,7 @@ def attend_with_kernel(
     token at ``lengths[b] - q_lengths[b] + i`` (bottom-right), padding rows are 0.
 
     ``launch``/``alloc``: the launcher and the allocating namespace of
-    :func:`arrayattn.kernels.decode.run_decode` (default: CuPy's; the CPU tests pass the
+    :func:`arrayattn.attention.cuda.decode.run_decode` (default: CuPy's; the CPU tests pass the
     host emulator's with NumPy arrays).
     """
     B, Hq, L, D = (int(d) for d in query.shape)

@@ -1,10 +1,8 @@
-"""The ops: attention, softmax, heads, RoPE, norms (each with a backward rule)."""
+"""The public ops: attention, softmax, heads, RoPE, norms, merge, varlen, sinusoidal
+embeddings (each with a backward rule). Attention's machinery (the spec, the registry,
+the implementations) is :mod:`arrayattn.attention`."""
 
-from . import (
-    _dask,  # noqa: F401  (registers implementation="dask" where Dask is installed)
-    _numpy_fast,  # noqa: F401  (registers implementation="fast", NumPy)
-    chunked,  # noqa: F401  (registers implementation="chunked")
-)
+from ..attention.merge import merge_attention_states
 from .attention import (
     attention_weights,
     dropout_mask,
@@ -13,30 +11,21 @@ from .attention import (
     scaled_dot_product_attention,
 )
 from .heads import merge_heads, repeat_kv, split_heads
-from .merge import merge_attention_states
 from .norms import layer_norm, rms_norm
-from .rope import apply_rope, rope_frequencies
-from .rope_multi import grid_positions, mrope_frequencies, multi_axis_rope_frequencies, wan_axes_dim
-from .rope_scaling import ROPE_TYPES, rope_inv_freq, rope_kwargs_from_config
+from .rope import (
+    ROPE_TYPES,
+    apply_rope,
+    grid_positions,
+    mrope_frequencies,
+    multi_axis_rope_frequencies,
+    rope_frequencies,
+    rope_inv_freq,
+    rope_kwargs_from_config,
+    wan_axes_dim,
+)
 from .sinusoidal import sinusoidal_embedding
 from .softmax import softmax
 from .varlen import varlen_attention
-
-
-def _register_cuda_kernels() -> None:
-    # implementation="fused" (CuPy kernels) exists only where CuPy is installed; this
-    # checks for CuPy without importing it, so NumPy-only installs never load it.
-    try:
-        from ..kernels import register
-    except ImportError:
-        return
-    try:
-        register()
-    except ImportError:
-        pass
-
-
-_register_cuda_kernels()
 
 __all__ = [
     "scaled_dot_product_attention",

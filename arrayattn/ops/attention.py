@@ -1,21 +1,28 @@
 """Scaled dot-product attention: the public entry points and their backward rules.
 
-One definition (``SEMANTICS.md``) and several implementations behind it. This module
-validates the call into an :class:`~arrayattn.ops._attention_spec.AttentionSpec`, picks an
+One definition (``SEMANTICS.md``) and several implementations behind it
+(:mod:`arrayattn.attention`). This module validates the call into an
+:class:`~arrayattn.attention.spec.AttentionSpec`, has the registry pick an
 implementation (``implementation="auto"`` by default) and, for :func:`arrayattn.vjp`,
 returns a pullback that runs the same implementation's backward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from .._autodiff import register_vjp
 from .._backend import Array, known_shape
-from . import _composed
-from ._attention_spec import AttentionSpec, make_spec
+from ..attention import composed as _composed
+from ..attention import implementations as _implementations  # noqa: F401  (registers them)
+from ..attention.registry import (
+    Implementation,
+    auto_choice,
+    implementations,
+    register_implementation,
+    select,
+)
+from ..attention.spec import AttentionSpec, make_spec
 
 __all__ = [
     "scaled_dot_product_attention",
@@ -23,130 +30,9 @@ __all__ = [
     "dropout_mask",
     "register_implementation",
     "implementations",
+    "auto_choice",
+    "Implementation",
 ]
-
-
-class Implementation(Protocol):
-    """What an attention implementation provides (all arrays in the user's layout)."""
-
-    def forward(
-        self, spec: AttentionSpec, query: Array, key: Array, value: Array, attn_mask: Array | None
-    ) -> tuple[Array, Array]: ...
-
-    def backward(
-        self,
-        spec: AttentionSpec,
-        query: Array,
-        key: Array,
-        value: Array,
-        attn_mask: Array | None,
-        out: Array,
-        lse: Array,
-        d_out: Array | None,
-        d_lse: Array | None,
-    ) -> tuple[Array, Array, Array, Array | None]: ...
-
-
-@dataclass(frozen=True)
-class _Registered:
-    impl: Any
-    # For "auto": returns None when the implementation takes this call, else a reason.
-    declines: Callable[[AttentionSpec], str | None]
-    auto_rank: int | None  # lower runs first under "auto"; None: only when named
-    # Extra condition for "auto" only (e.g. "only above a size"); None: always willing.
-    auto_declines: Callable[[AttentionSpec], str | None] | None = None
-
-
-_REGISTRY: dict[str, _Registered] = {}
-
-
-def register_implementation(
-    name: str,
-    impl: Any,
-    declines: Callable[[AttentionSpec], str | None] = lambda spec: None,
-    auto_rank: int | None = None,
-    auto_declines: Callable[[AttentionSpec], str | None] | None = None,
-) -> None:
-    """Register an attention implementation under ``name``.
-
-    ``declines(spec)`` returns ``None`` when it can run the call, else a short reason
-    (used for the error when the implementation is forced). ``auto_rank`` places it in
-    ``implementation="auto"``'s order (lower first); the composed path is always last.
-    ``auto_declines(spec)``, when given, is consulted only by ``"auto"``: a call it
-    declines still runs when the implementation is named (e.g. the chunked path, which
-    ``"auto"`` picks only for large score matrices).
-    """
-    if not isinstance(name, str) or not name or name == "auto":
-        raise ValueError(f"name must be a non-empty str other than 'auto', got {name!r}")
-    missing = [m for m in ("forward", "backward") if not callable(getattr(impl, m, None))]
-    if missing:
-        raise TypeError(
-            f"impl must provide forward and backward (see Implementation), got "
-            f"{type(impl).__name__} without {', '.join(missing)}"
-        )
-    _REGISTRY[name] = _Registered(impl, declines, auto_rank, auto_declines)
-
-
-def implementations() -> tuple[str, ...]:
-    """Names accepted by ``implementation=``: ``"auto"`` and every registered path
-    (``"fused"`` is among them when CuPy is installed).
-
-    Examples:
-        >>> import arrayattn as aa
-        >>> {"auto", "composed", "chunked"} <= set(aa.implementations())
-        True
-    """
-    return ("auto",) + tuple(_REGISTRY)
-
-
-register_implementation("composed", _composed)
-
-
-def auto_choice(spec: AttentionSpec) -> str:
-    """The name of the implementation ``"auto"`` runs for ``spec``: a registered path
-    outside the cost model (the CuPy kernel) when it ranks first and takes the call,
-    else the cheapest by :mod:`arrayattn.ops._cost` among the composed, chunked and NumPy
-    fast paths that take it."""
-    from . import _cost
-
-    ranked = sorted(
-        ((n, r) for n, r in _REGISTRY.items() if r.auto_rank is not None),
-        key=lambda nr: nr[1].auto_rank,
-    )
-    candidates = []
-    for name, r in ranked:
-        if r.declines(spec) is not None:
-            continue
-        if r.auto_declines is not None and r.auto_declines(spec) is not None:
-            continue
-        if name not in _cost.MODELLED:
-            if not candidates:
-                return name
-            continue
-        candidates.append(name)
-    if not ("chunked" in candidates and _cost.composed_block_bytes(spec) > _chunk_limit()):
-        candidates.append("composed")
-    return _cost.choose(spec, candidates)
-
-
-def _chunk_limit() -> int:
-    from .chunked import AUTO_CHUNK_BYTES
-
-    return AUTO_CHUNK_BYTES
-
-
-def _select(spec: AttentionSpec, implementation: str) -> Any:
-    if implementation == "auto":
-        return _REGISTRY[auto_choice(spec)].impl
-    reg = _REGISTRY.get(implementation)
-    if reg is None:
-        raise ValueError(
-            f"implementation must be one of {implementations()}, got {implementation!r}"
-        )
-    reason = reg.declines(spec)
-    if reason is not None:
-        raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
-    return reg.impl
 
 
 def scaled_dot_product_attention(
@@ -202,9 +88,9 @@ def scaled_dot_product_attention(
             kernel when it takes the call, else the cheapest of ``"composed"``,
             ``"chunked"`` and the NumPy ``"fast"`` path (NumPy arrays, and PyTorch CPU
             tensors through zero-copy NumPy views) by a measured cost model
-            (``arrayattn.ops._cost``; docs: Performance, "How auto chooses"), never
+            (``arrayattn.attention.cost``; docs: Performance, "How auto chooses"), never
             ``"composed"`` when one of its row blocks would exceed
-            ``arrayattn.ops.chunked.AUTO_CHUNK_BYTES`` (256 MiB).
+            ``arrayattn.attention.composed.AUTO_CHUNK_BYTES`` (256 MiB).
         q_lengths, kv_lengths: optional integer arrays of the broadcast batch shape
             (``(B,)`` for 4-D inputs; ``()`` for 3-D), same library and device: the
             number of valid queries / keys of each sequence (padding at the end; values
@@ -272,7 +158,7 @@ def scaled_dot_product_attention(
         alibi_slopes=alibi_slopes,
         lse_wanted=return_lse,
     )
-    out, lse = _select(spec, implementation).forward(spec, query, key, value, attn_mask)
+    out, lse = select(spec, implementation).forward(spec, query, key, value, attn_mask)
     return (out, lse) if return_lse else out
 
 
@@ -316,7 +202,7 @@ def _sdpa_vjp(
         sinks=sinks,
         alibi_slopes=alibi_slopes,
     )
-    impl = _select(spec, implementation)
+    impl = select(spec, implementation)
     out, lse = impl.forward(spec, query, key, value, attn_mask)
 
     def pullback(cotangent: Any) -> tuple[Any, ...]:

@@ -22,7 +22,7 @@ from typing import Any
 
 from .._autodiff import register_vjp, vjp
 from .._backend import Array, Namespace, device_of, lse_dtype, namespace_of, require_arrays
-from ._attention_spec import make_spec
+from ..attention.spec import make_spec
 from .attention import implementations, scaled_dot_product_attention, split_cotangent
 
 __all__ = ["varlen_attention"]

@@ -201,7 +201,7 @@ def repeat_kv(x, n_rep: int) -> np.ndarray:
     return np.repeat(np.asarray(x), n_rep, axis=-3)
 
 
-# -- the dropout hash, scalar Python from the algorithm in arrayattn/ops/dropout.py's
+# -- the dropout hash, scalar Python from the algorithm in arrayattn/attention/dropout.py's
 #    docstring (kept independent so a change to either side is caught) -----------------
 _ROUND_KEYS = (0x3C6E, 0xB7E1, 0x9E37, 0x5851)
 

@@ -1,10 +1,10 @@
-"""Run the backward kernels of ``arrayattn/kernels/attn_bwd.cu`` on the CPU.
+"""Run the backward kernels of ``arrayattn/attention/cuda/attn_bwd.cu`` on the CPU.
 
 ``backward_emulator.h`` supplies host versions of the CUDA features the kernels use (one
 OS thread per CUDA thread, barriers for ``__syncthreads`` and the warp collectives
 ``ldmatrix`` / ``mma.sync`` / ``__shfl_xor_sync``). This module compiles the kernel file
 with g++ into a shared library exposing each instantiation by its name expression, and
-gives :func:`arrayattn.kernels.backward.run_kernels` a ``launch`` that calls it with
+gives :func:`arrayattn.attention.cuda.backward.run_kernels` a ``launch`` that calls it with
 NumPy arrays, so the very launch plan the CuPy path uses runs here.
 """
 
@@ -94,7 +94,7 @@ def compile_library(
     (``attn_bwd.cu`` or ``decode_attn.cu``) with ``flags`` (optimisation, sanitizers);
     cached in ``work`` by content and flags. ``kernels_dir`` replaces the package's kernel
     sources (a mutated copy)."""
-    kernels = kernels_dir or Path(str(resources.files("arrayattn.kernels")))
+    kernels = kernels_dir or Path(str(resources.files("arrayattn.attention.cuda")))
     inc = cuda_include()
     text = _source(names, kernel_file)
     digest = hashlib.sha256(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from arrayattn.ops.dropout import dropout_keep
+from arrayattn.attention.dropout import dropout_keep
 
 __all__ = ["reference"]
 

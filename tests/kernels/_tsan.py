@@ -18,7 +18,7 @@ from importlib import resources
 from pathlib import Path
 
 FLAGS = ("-O1", "-g", "-fsanitize=thread")
-KERNELS = Path(str(resources.files("arrayattn.kernels")))
+KERNELS = Path(str(resources.files("arrayattn.attention.cuda")))
 BARRIER = "__syncthreads();"
 REPORT = "WARNING: ThreadSanitizer"
 HALT_ON_RACE = "halt_on_error=1"  # TSAN_OPTIONS where the first report is enough

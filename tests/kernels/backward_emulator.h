@@ -1,4 +1,4 @@
-// Host emulation of the CUDA features arrayattn/kernels/attn_bwd.cu uses, so the CPU
+// Host emulation of the CUDA features arrayattn/attention/cuda/attn_bwd.cu uses, so the CPU
 // tests run the backward kernels' own code (not a transliteration). The threads, blocks,
 // shared memory and warp collectives are emulator_warp.h's (shared with the forward's
 // emulator); this file adds what the backward kernels call beyond those.

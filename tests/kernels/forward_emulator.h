@@ -1,4 +1,4 @@
-// Host emulation of what arrayattn/kernels/attn_fwd.cu uses, so the CPU tests run the
+// Host emulation of what arrayattn/attention/cuda/attn_fwd.cu uses, so the CPU tests run the
 // forward kernels' own code (not a transliteration). Include this, then attn_fwd.cu.
 //
 // The threads, blocks, shared memory (0xFF-filled before each block) and warp collectives
@@ -20,7 +20,7 @@
 
 #define AA_FWD_EMULATION 1
 
-#include "common.cuh"  // (from arrayattn/kernels, on the include path)
+#include "common.cuh"  // (from arrayattn/attention/cuda, on the include path)
 
 using std::fma;
 using std::log2;

@@ -2,7 +2,7 @@
 
 The kernels' own source is compiled with g++ against ``backward_emulator.h`` (threads,
 barriers, ``ldmatrix``/``mma.sync`` fragment semantics from the PTX ISA) and launched by
-the same :func:`arrayattn.kernels.backward.run_kernels` plan the CuPy path uses. Gradients
+the same :func:`arrayattn.attention.cuda.backward.run_kernels` plan the CuPy path uses. Gradients
 are compared with a plain float64 NumPy backward written below. Output buffers start as
 NaN, so unwritten elements fail. No GPU is involved: this checks indexing, tiling,
 fragment layouts, block skipping, GQA loops, lengths, dropout regeneration and the
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from arrayattn.kernels.backward import backward_plan, run_kernels
+from arrayattn.attention.cuda.backward import backward_plan, run_kernels
 
 emu = pytest.importorskip("_backward_emu")
 tsan = pytest.importorskip("_tsan")
@@ -294,3 +294,37 @@ def test_race_check_catches_every_missing_barrier(
     assert tsan.REPORT in res.stderr, (
         f"barrier {site} removed ({kind} kernels), yet no race was reported"
     )
+
+
+def test_simt_shared_memory_is_the_kernels_own(tmp_path):
+    """The CUDA-core backward's shared memory, computed by ``backward_plan`` for the launch,
+    equals ``AaBwdSimtSmem`` in ``attn_bwd.cu`` (the kernels' launch bounds): the Python
+    figure is checked against the kernel source's, for every CUDA-core plan."""
+    import re
+
+    plans = []
+    for kind in ("float16", "bfloat16", "float32", "float64"):
+        for d in (32, 64, 128, 256):
+            plan = backward_plan(kind, d, d)
+            if plan is not None and not plan.tensor_cores:
+                plans.append(plan)
+    assert plans
+    lines = ['#include "backward_emulator.h"', '#include "attn_bwd.cu"', "#include <cstdio>",
+             "int main() {"]  # fmt: skip
+    for plan in plans:
+        # aa_bwd_dkdv_simt<T, Acc, HD, BN, BM, NT>
+        args = re.search(r"<(.*)>", plan.dkdv).group(1).split(",")
+        acc, hd, bn, bm = (a.strip() for a in args[1:5])
+        lines.append(f'    std::printf("%d\\n", AaBwdSimtSmem<{acc}, {hd}, {bn}, {bm}>::value);')
+    lines.append("}")
+    src = tmp_path / "smem.cpp"
+    src.write_text("\n".join(lines) + "\n")
+    kernels = emu.HERE.parent.parent / "arrayattn" / "attention" / "cuda"
+    exe = tmp_path / "smem"
+    cmd = [emu.compiler() or "g++", "-std=c++20", "-w", f"-I{emu.HERE}", f"-I{kernels}",
+           f"-I{emu.cuda_include()}", str(src), "-o", str(exe), "-pthread"]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    printed = subprocess.run([str(exe)], capture_output=True, text=True).stdout
+    got = [int(x) for x in printed.split()]
+    assert got == [p.dkdv_smem for p in plans] == [p.dq_smem for p in plans]

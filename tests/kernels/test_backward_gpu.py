@@ -21,7 +21,7 @@ except Exception as exc:  # no driver, no device
     pytest.skip(f"no CUDA device: {exc}", allow_module_level=True)
 
 import arrayattn as aa  # noqa: E402
-from arrayattn.kernels import backward as bwd  # noqa: E402
+from arrayattn.attention.cuda import backward as bwd  # noqa: E402
 
 reference = pytest.importorskip("_backward_reference").reference
 

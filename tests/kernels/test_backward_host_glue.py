@@ -1,4 +1,4 @@
-"""``arrayattn.kernels.backward.backward`` end to end on the CPU: the glue around the
+"""``arrayattn.attention.cuda.backward.backward`` end to end on the CPU: the glue around the
 kernels (layouts, broadcast leading dims and heads, GQA, lengths, options, reductions
 back to the arguments' shapes) with the kernels run by the host emulator and "cupy"
 played by NumPy. Compared with the composed backward through ``arrayattn.vjp``.
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import arrayattn as aa
-from arrayattn.kernels import backward as bwd
-from arrayattn.ops._attention_spec import make_spec
+from arrayattn.attention.cuda import backward as bwd
+from arrayattn.attention.spec import make_spec
 
 emu = pytest.importorskip("_backward_emu")
 
@@ -164,8 +164,8 @@ def test_block_of_a_larger_call_keeps_its_diagonal(kernels_on_host, row0, col0):
     first GPU run, 2026-11-26, they assumed 0 and dQ was 78% off)."""
     import math
 
-    from arrayattn.ops import _composed
-    from arrayattn.ops._dask_plan import _Block, _Call
+    from arrayattn.attention import composed as _composed
+    from arrayattn.attention.dask.plan import _Block, _Call
 
     rows, d = 32, 32
     rng = np.random.default_rng(9)
@@ -186,7 +186,7 @@ def test_block_of_a_larger_call_keeps_its_diagonal(kernels_on_host, row0, col0):
 def test_compute_capability_of_three_digits(monkeypatch):
     """CuPy reports compute capability as one string ("90", "100"): read as a number
     (it was split into characters, so "100" raised)."""
-    from arrayattn.kernels import fused
+    from arrayattn.attention.cuda import fused
 
     spec = make_spec(*(np.zeros((1, 1, 4, 8), np.float16),) * 3, None, 0.0, False, None,
                      False, "top_left", None, None, None)  # fmt: skip
@@ -211,8 +211,8 @@ def test_torch_bfloat16_backward_through_the_dlpack_bridge(kernels_on_host, monk
     import array_api_compat
 
     from arrayattn._backend import CupyBridge
-    from arrayattn.kernels import _bridge, fused
-    from arrayattn.ops import _composed
+    from arrayattn.attention import composed as _composed
+    from arrayattn.attention.cuda import _bridge, fused
 
     plan = bwd.backward_plan("bfloat16", 32, 32)
     names = [n for n in (plan.preprocess, plan.dkdv, plan.dq, plan.convert) if n]

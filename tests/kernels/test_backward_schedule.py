@@ -1,6 +1,6 @@
 """The backward kernels' block schedule and reduction order, modelled in NumPy.
 
-``arrayattn/kernels/backward.py`` mirrors the loops of ``attn_bwd.cu``
+``arrayattn/attention/cuda/backward.py`` mirrors the loops of ``attn_bwd.cu``
 (:func:`row_range`, :func:`dkdv_schedule`, :func:`dq_schedule`). These tests check, on the
 CPU and without a GPU:
 
@@ -25,10 +25,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import arrayattn as aa
-from arrayattn.kernels.backward import dkdv_schedule, dq_schedule, row_range
-from arrayattn.kernels.tiles import allowed as allowed_one
-from arrayattn.kernels.tiles import block_full, key_range
-from arrayattn.ops.dropout import dropout_keep
+from arrayattn.attention.cuda.backward import dkdv_schedule, dq_schedule, row_range
+from arrayattn.attention.cuda.tiles import allowed as allowed_one
+from arrayattn.attention.cuda.tiles import block_full, key_range
+from arrayattn.attention.dropout import dropout_keep
 
 
 def structure_mask(L, S, q_len, kv_len, offset, left, right, rows_valid=True) -> np.ndarray:

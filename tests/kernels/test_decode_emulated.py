@@ -1,6 +1,6 @@
-"""The split-KV decode kernels (``arrayattn/kernels/decode_attn.cu``) on the CPU: their own
+"""The split-KV decode kernels (``arrayattn/attention/cuda/decode_attn.cu``) on the CPU: their own
 source under the host emulator (``backward_emulator.h``: one OS thread per CUDA thread,
-barriers, warp shuffles), launched by :func:`arrayattn.kernels.decode.run_decode` exactly
+barriers, warp shuffles), launched by :func:`arrayattn.attention.cuda.decode.run_decode` exactly
 as on a GPU, against a float64 reference written plainly here.
 
 Covered: every dtype (float16/bfloat16 as their 16-bit storage), each head-dim bucket,
@@ -18,8 +18,8 @@ import math
 import numpy as np
 import pytest
 
-from arrayattn.kernels import decode
-from arrayattn.kernels.tiles import DIAG_FROM_LENGTHS
+from arrayattn.attention.cuda import decode
+from arrayattn.attention.cuda.tiles import DIAG_FROM_LENGTHS
 
 emu = pytest.importorskip("_backward_emu")
 tsan = pytest.importorskip("_tsan")
@@ -328,9 +328,9 @@ GLUE = {
 def test_fused_forward_runs_decode_kernels(monkeypatch, tmp_path_factory, case):
     import sys
 
-    from arrayattn.kernels import fused
-    from arrayattn.ops import _composed
-    from arrayattn.ops._attention_spec import make_spec
+    from arrayattn.attention import composed as _composed
+    from arrayattn.attention.cuda import fused
+    from arrayattn.attention.spec import make_spec
 
     kind, qs, ks, vs, opts = GLUE[case]
     opts = dict(opts)
@@ -382,9 +382,9 @@ def test_torch_bfloat16_decode_through_the_dlpack_bridge(monkeypatch, tmp_path):
     import array_api_compat
 
     from arrayattn._backend import CupyBridge
-    from arrayattn.kernels import _bridge, fused
-    from arrayattn.ops import _composed
-    from arrayattn.ops._attention_spec import make_spec
+    from arrayattn.attention import composed as _composed
+    from arrayattn.attention.cuda import _bridge, fused
+    from arrayattn.attention.spec import make_spec
 
     plan = decode.decode_plan("bfloat16", 64, 64, 4)
     lib = emu.build([plan.split, plan.merge], tmp_path, kernel_file=decode.SOURCE)

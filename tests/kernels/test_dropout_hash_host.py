@@ -1,8 +1,8 @@
-"""The CUDA dropout hash (arrayattn/kernels/common.cuh) against the Python one.
+"""The CUDA dropout hash (arrayattn/attention/cuda/common.cuh) against the Python one.
 
 The hash is plain integer code marked ``__host__ __device__``; a tiny host program built
 with g++ (or nvcc) calls it over many indices and the bits must equal
-:func:`arrayattn.ops.dropout.dropout_bits` exactly. No GPU is needed.
+:func:`arrayattn.attention.dropout.dropout_bits` exactly. No GPU is needed.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from arrayattn.ops.dropout import dropout_bits, dropout_threshold
+from arrayattn.attention.dropout import dropout_bits, dropout_threshold
 
 _HOST_PROGRAM = r"""
 #include <cstdio>
@@ -54,7 +54,7 @@ def host_hash(tmp_path_factory: pytest.TempPathFactory) -> Path:
     work = tmp_path_factory.mktemp("hash")
     src = work / "hash_main.cpp"
     src.write_text(_HOST_PROGRAM)
-    include = resources.files("arrayattn.kernels")
+    include = resources.files("arrayattn.attention.cuda")
     exe = work / "hash_main"
     subprocess.run(
         cmd + [str(src), "-I", str(include), "-o", str(exe)],

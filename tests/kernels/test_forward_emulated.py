@@ -24,14 +24,14 @@ import _tsan as tsan
 import numpy as np
 import pytest
 
-from arrayattn.kernels.tiles import (
+from arrayattn.attention.cuda.tiles import (
     DIAG_FROM_LENGTHS,
     forward_kernel_name,
     is_heavy,
     tc_row_tiles,
     tile_config,
 )
-from arrayattn.ops.dropout import dropout_keep, dropout_threshold
+from arrayattn.attention.dropout import dropout_keep, dropout_threshold
 
 pytestmark = pytest.mark.slow
 
@@ -231,7 +231,7 @@ def build_emulator(
     """Compile the emulator driver for ``case``'s kernel into ``exe``; returns the
     compiler's error text ("" on success). ``kernels_dir`` replaces the package's kernel
     sources (a mutated copy)."""
-    kernels = kernels_dir or Path(str(resources.files("arrayattn.kernels")))
+    kernels = kernels_dir or Path(str(resources.files("arrayattn.attention.cuda")))
     cmd = [
         "g++",
         "-std=c++20",

@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from arrayattn.kernels import _loader, fused
-from arrayattn.ops import _composed
-from arrayattn.ops._attention_spec import make_spec
+from arrayattn.attention import composed as _composed
+from arrayattn.attention.cuda import _loader, fused
+from arrayattn.attention.spec import make_spec
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def _exe(name: str, work: Path) -> Path:
     if name not in _EXES:
         exe = work / f"launch_{len(_EXES)}"
         cmd = ["g++", "-std=c++20", "-O1", "-pthread", "-I", str(HERE), "-I",
-               str(resources.files("arrayattn.kernels")), f"-DAA_KERNEL={name}",
+               str(resources.files("arrayattn.attention.cuda")), f"-DAA_KERNEL={name}",
                f"-DAA_CFG={_cfg(name)}", str(HERE / "forward_emulator_launch.cpp"), "-o",
                str(exe)]  # fmt: skip
         res = subprocess.run(cmd, capture_output=True, text=True)
@@ -288,7 +288,7 @@ def test_block_of_a_larger_call_keeps_its_diagonal_float32(fake_cupy, row0, col0
     they assumed 0 or ``S - L`` and got such blocks wrong, on the GPU and here)."""
     import math
 
-    from arrayattn.ops._dask_plan import _Block, _Call
+    from arrayattn.attention.dask.plan import _Block, _Call
 
     rows = 64
     rng = np.random.default_rng()
@@ -318,11 +318,11 @@ def test_torch_tensors_through_the_dlpack_bridge_bfloat16_and_float16(fake_cupy,
 
     import arrayattn as aa
     from arrayattn._backend import CupyBridge
-    from arrayattn.kernels import _bridge
-    from arrayattn.ops import attention
+    from arrayattn.attention import registry
+    from arrayattn.attention.cuda import _bridge
 
-    registered = attention._Registered(fused.FUSED, fused.declines, -1, fused.auto_declines)
-    monkeypatch.setitem(attention._REGISTRY, "fused", registered)  # as kernels.register()
+    registered = registry.Registered(fused.FUSED, fused.declines, -1, fused.auto_declines)
+    monkeypatch.setitem(registry._REGISTRY, "fused", registered)  # as cuda.register()
     fake_cxp = types.ModuleType("array_api_compat.cupy")  # is_cupy_namespace: by name
     monkeypatch.setitem(sys.modules, "array_api_compat.cupy", fake_cxp)
     monkeypatch.setattr(
@@ -351,8 +351,8 @@ def test_torch_tensors_through_the_dlpack_bridge_bfloat16_and_float16(fake_cupy,
         assert err <= tol, err
         assert float((lse - ref_lse).abs().max()) <= 1e-4
     # "auto" keeps PyTorch tensors off this route until it has run on a GPU
-    from arrayattn.ops._attention_spec import make_spec
-    from arrayattn.ops.attention import auto_choice
+    from arrayattn.attention.registry import auto_choice
+    from arrayattn.attention.spec import make_spec
 
     spec = make_spec(q, k, v, None, 0.0, True, None, True, "top_left", None, None, None)
     assert auto_choice(spec) != "fused"

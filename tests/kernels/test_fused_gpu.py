@@ -25,8 +25,8 @@ if _NDEV == 0:
     pytest.skip("CuPy has no CUDA device", allow_module_level=True)
 
 import arrayattn as aa  # noqa: E402
-from arrayattn.kernels import fused  # noqa: E402
-from arrayattn.ops.dropout import dropout_keep  # noqa: E402
+from arrayattn.attention.cuda import fused  # noqa: E402
+from arrayattn.attention.dropout import dropout_keep  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -357,7 +357,7 @@ DECODE_CASES = {
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(DECODE_CASES))
 def test_decode_shapes_run_the_decode_kernels(monkeypatch, dtype, case) -> None:
-    from arrayattn.kernels import decode
+    from arrayattn.attention.cuda import decode
 
     calls = []
     real = decode.forward
@@ -383,7 +383,7 @@ def test_decode_and_prefill_kernels_agree(monkeypatch) -> None:
 def test_bfloat16_if_available() -> None:
     # NumPy may know bfloat16 (ml_dtypes, imported by JAX) while CuPy does not (CuPy 14.2
     # on the H200 of 2026-11-26): the kernels' bf16 variants are then reachable only
-    # through PyTorch tensors (issue 29).
+    # through PyTorch tensors (test_torch_cuda_tensors_through_dlpack).
     if not hasattr(cp, "bfloat16"):
         pytest.skip("CuPy has no bfloat16 dtype")
     bf16 = np.dtype(cp.bfloat16)
@@ -410,13 +410,13 @@ def test_varlen_through_fused() -> None:
 
 
 def test_auto_picks_fused_on_cupy() -> None:
-    from arrayattn.ops import attention
+    from arrayattn.attention import registry
 
     x = cp.ones((1, 2, 8, 64), dtype=cp.float32)
-    spec = aa.ops._attention_spec.make_spec(
+    spec = aa.attention.spec.make_spec(
         x, x, x, None, 0.0, False, None, False, "top_left", None, None, None
     )
-    assert attention._select(spec, "auto") is fused.FUSED
+    assert registry.select(spec, "auto") is fused.FUSED
 
 
 def test_fused_declines_clearly() -> None:

@@ -18,7 +18,7 @@ import _compile_check
 import pytest
 from _nvrtc import find_nvrtc, lowered_names
 
-from arrayattn.kernels import backward, decode
+from arrayattn.attention.cuda import backward, decode
 
 
 def _variants() -> dict[str, list[str]]:

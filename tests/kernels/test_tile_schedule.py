@@ -1,4 +1,4 @@
-"""The forward kernels' tile schedule (arrayattn/kernels/tiles.py, mirroring attn_fwd.cu)
+"""The forward kernels' tile schedule (arrayattn/attention/cuda/tiles.py, mirroring attn_fwd.cu)
 against the dense structural mask, on the CPU.
 
 For every query block the kernel visits a range of key tiles and masks elements only on
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arrayattn.kernels.tiles import (
+from arrayattn.attention.cuda.tiles import (
     HEAD_DIMS,
     allowed,
     block_schedule,

@@ -299,13 +299,13 @@ def test_cross_attention_cache_is_filled_once_and_reused(backend, qk_norm, monke
     pb, ctx_b, mask_b = to_backend(backend, p), backend.asarray(ctx), backend.asarray(mask)
     cache = mha.new_cache(2, 6, xp=backend.xp, device=backend.device, dtype=backend.xp.float64)
     projected = []
-    real_linear = aa.nn.attention.linear
+    real_linear = aa.nn.attention.forward.linear
 
     def counting_linear(inp, weight, bias=None):
         projected.append(int(inp.shape[-1]))
         return real_linear(inp, weight, bias)
 
-    monkeypatch.setattr(aa.nn.attention, "linear", counting_linear)
+    monkeypatch.setattr(aa.nn.attention.forward, "linear", counting_linear)
     for t in range(4):
         step = mha(pb, backend.asarray(x[:, t : t + 1]), ctx_b, attn_mask=mask_b, cache=cache)
         assert cache.length == 6
@@ -440,13 +440,13 @@ def test_implementation_is_used_and_agrees_with_auto(implementation, monkeypatch
     params = perturbed_params(auto, 3)
     x, _ = inputs(auto, np.random.default_rng(4), B=2, L=7)
     seen = []
-    real_select = attention_module._select
+    real_select = attention_module.select
 
     def spy(spec, name):
         seen.append(name)
         return real_select(spec, name)
 
-    monkeypatch.setattr(attention_module, "_select", spy)
+    monkeypatch.setattr(attention_module, "select", spy)
     y_auto, pb_auto = auto.vjp(params, x)
     y, pb = chosen.vjp(params, x)
     assert seen and set(seen) == {"auto", implementation}

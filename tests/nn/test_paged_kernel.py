@@ -1,5 +1,5 @@
 """The CUDA kernel path of ``PagedKVCache.attend`` (the split-KV decode kernels of
-``arrayattn/kernels/decode_attn.cu``): their own source under the host emulator, launched
+``arrayattn/attention/cuda/decode_attn.cu``): their own source under the host emulator, launched
 with the arguments the CuPy path builds (``attend_with_kernel``), against the array-API
 paged loop on NumPy; on a GPU (CuPy) the kernel path equals the generic one."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from arrayattn.kernels import decode
+from arrayattn.attention.cuda import decode
 from arrayattn.nn import PagedKVCache
 from arrayattn.nn._paged_kernel import attend_with_kernel, kernel_supports
 

@@ -13,9 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import arrayattn as aa
-from arrayattn.ops import _composed, _static_shift, chunked
-from arrayattn.ops._attention_spec import make_spec
-from arrayattn.ops.attention import _REGISTRY, _select, auto_choice
+from arrayattn.attention import chunked
+from arrayattn.attention import composed as _composed
+from arrayattn.attention import static_shift as _static_shift
+from arrayattn.attention.registry import _REGISTRY, auto_choice
+from arrayattn.attention.registry import select as _select
+from arrayattn.attention.spec import make_spec
 
 SETTINGS = settings(
     max_examples=10,
@@ -424,11 +427,11 @@ def test_auto_never_runs_composed_blocks_above_the_documented_size(backend, monk
     spec = make_spec(q, q, q, None, 0.0, False, None, False, "top_left", None, None, None)
     assert chunked.score_matrix_bytes(spec) == 2 * 3 * 5 * 5 * 8
     assert _select(spec, "auto") is _composed  # small: the cost model's choice
-    monkeypatch.setattr(chunked, "AUTO_CHUNK_BYTES", chunked.score_matrix_bytes(spec) - 1)
+    monkeypatch.setattr(_composed, "AUTO_CHUNK_BYTES", chunked.score_matrix_bytes(spec) - 1)
     # PyTorch CPU tensors may also go to the NumPy fast path (on views of them).
     allowed = ("chunked", "fast") if backend.name == "torch" else ("chunked",)
     assert auto_choice(spec) in allowed
-    monkeypatch.setattr(chunked, "AUTO_CHUNK_BYTES", chunked.score_matrix_bytes(spec))
+    monkeypatch.setattr(_composed, "AUTO_CHUNK_BYTES", chunked.score_matrix_bytes(spec))
     assert _select(spec, "auto") is _composed
     # Named explicitly, the chunked path runs whatever the size.
     assert _select(spec, "chunked") is _REGISTRY["chunked"].impl

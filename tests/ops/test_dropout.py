@@ -10,7 +10,12 @@ import pytest
 from _helpers import attention_inputs, thin
 
 import arrayattn as aa
-from arrayattn.ops.dropout import dropout_bits, dropout_keep, dropout_threshold, normalize_seed
+from arrayattn.attention.dropout import (
+    dropout_bits,
+    dropout_keep,
+    dropout_threshold,
+    normalize_seed,
+)
 
 
 def _index_arrays(xp, device, B, H, L, S):

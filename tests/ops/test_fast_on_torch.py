@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 import arrayattn as aa
 from arrayattn._backend import exp_shifted, numpy_bridge, resolve_namespace
+from arrayattn.attention.spec import make_spec
 from arrayattn.ops import attention as attention_mod
-from arrayattn.ops._attention_spec import make_spec
 from arrayattn.testing import reference_attention, reference_vjp
 
 torch = pytest.importorskip("torch")

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import arrayattn as aa
-from arrayattn.ops import chunked
+from arrayattn.attention import chunked
 
 SETTINGS = settings(
     max_examples=10,

@@ -19,10 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import arrayattn as aa
-from arrayattn.ops import _fast_threads
-from arrayattn.ops import _numpy_fast as fast
+from arrayattn.attention import registry
+from arrayattn.attention import threads as _fast_threads
+from arrayattn.attention.fast import layout as fast
+from arrayattn.attention.spec import make_spec
 from arrayattn.ops import attention as attention_mod
-from arrayattn.ops._attention_spec import make_spec
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -429,7 +430,7 @@ def test_auto_uses_fast_on_numpy_and_fast_declines_other_libraries():
     # A prefill-sized call: the cost model picks the fast path (tiny ones go composed).
     q = np.broadcast_to(np.float32(0), (1, 8, 1024, 64))
     spec = make_spec(q, q, q, None, 0.0, False, None, False, "top_left", None, None, None)
-    assert attention_mod._select(spec, "auto") is attention_mod._REGISTRY["fast"].impl
+    assert registry.select(spec, "auto") is registry.registered("fast").impl
     assert attention_mod.auto_choice(spec) == "fast"
     q = np.zeros((1, 1, 4, 8), dtype=np.float32)
     strict = pytest.importorskip("array_api_strict")

@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import arrayattn as aa
-from arrayattn.ops import _numpy_fast, chunked
+from arrayattn.attention import chunked
+from arrayattn.attention.fast import layout as _numpy_fast
 
 SDPA = aa.scaled_dot_product_attention
 IMPLEMENTATIONS = ("composed", "chunked", "fast")

@@ -15,9 +15,13 @@ from _reference import attention as reference_attention
 from _reference import structural_mask
 
 import arrayattn as aa
-from arrayattn.ops import _composed, _cost, _fast_forward, _fast_threads
-from arrayattn.ops import _numpy_fast as fast
-from arrayattn.ops._attention_spec import make_spec
+from arrayattn.attention import composed as _composed
+from arrayattn.attention import cost as _cost
+from arrayattn.attention import registry
+from arrayattn.attention import threads as _fast_threads
+from arrayattn.attention.fast import forward as _fast_forward
+from arrayattn.attention.fast import layout as fast
+from arrayattn.attention.spec import make_spec
 from arrayattn.ops.attention import auto_choice
 
 MASKS = (None, "bool", "float", "bool_2d", "float_over_heads")
@@ -355,7 +359,7 @@ AUTO_TABLE = [
 @pytest.mark.parametrize("case,expected", AUTO_TABLE, ids=[str(c) for c, _ in AUTO_TABLE])
 def test_auto_choice_table(case, expected, monkeypatch):
     B, Hq, Hkv, L, S, D, causal, lib = case
-    monkeypatch.setattr(_cost, "_threads", lambda: 2)
+    monkeypatch.setattr(_cost, "threads", lambda: 2)
     if lib.startswith("torch"):
         torch = pytest.importorskip("torch")
         dtype = torch.bfloat16 if lib == "torch-bfloat16" else torch.float32
@@ -378,11 +382,13 @@ def test_cost_model_estimates_are_positive_and_grow_with_work():
         make_spec(q, q, q, None, 0.0, False, None, False, "top_left", None, None, None)
         for q in (q1, q2)
     )
-    for name in _cost.MODELLED:
-        assert 0 < _cost.estimate(s1, name, 2) < _cost.estimate(s2, name, 2)
+    for name in registry.modelled():
+        model = registry.cost_model(name)
+        assert 0 < model.estimate(s1, 2) < model.estimate(s2, 2)
     causal = make_spec(q2, q2, q2, None, 0.0, True, None, False, "top_left", None, None, None)
-    assert _cost.estimate(causal, "fast", 2) < _cost.estimate(s2, "fast", 2)
-    assert _cost.estimate(causal, "composed", 2) < _cost.estimate(s2, "composed", 2)
+    fast_cost, composed_cost = registry.cost_model("fast"), registry.cost_model("composed")
+    assert fast_cost.estimate(causal, 2) < fast_cost.estimate(s2, 2)
+    assert composed_cost.estimate(causal, 2) < composed_cost.estimate(s2, 2)
 
 
 def test_fast_split_kv_with_sinks_and_alibi_matches_composed():
@@ -417,6 +423,6 @@ def test_cost_model_counts_the_band_exactly(causal, align, window, L, S):
     kv = np.broadcast_to(np.float32(0), (1, 1, S, 4))
     spec = make_spec(q, kv, kv, None, 0.0, causal, None, False, align, window, None, None)
     dense = int(structural_mask(L, S, is_causal=causal, causal_align=align, window=window).sum())
-    assert _cost._visited_per_head(spec) == dense
-    _, _, elements, _ = _cost.features(spec, "chunked", 2)
+    assert _cost.visited_per_head(spec) == dense
+    _, _, elements, _ = registry.cost_model("chunked").features(spec, 2)
     assert dense <= elements <= L * S

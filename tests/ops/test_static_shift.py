@@ -13,8 +13,10 @@ from _helpers import xp_assert_close
 from _reference import attention as reference_attention
 
 import arrayattn as aa
-from arrayattn.ops import _composed, _static_shift, chunked
-from arrayattn.ops._attention_spec import make_spec
+from arrayattn.attention import chunked
+from arrayattn.attention import composed as _composed
+from arrayattn.attention import static_shift as _static_shift
+from arrayattn.attention.spec import make_spec
 
 EAGER = ("numpy", "array_api_strict", "array_api_strict_device1", "torch", "cupy")
 

@@ -1,0 +1,751 @@
+// arrayattn/attention/cuda/attn_fwd.cu -- FlashAttention-2 forward kernels.
+//
+// Two kernels with one argument list (see AA_FWD_ARGS below):
+//   aa_fwd_tc<DT, D, MT, SOFTCAP, DROPOUT, MASK>   float16 (DT=0) / bfloat16 (DT=1), tensor
+//       cores, MT row tiles of 16 per warp (AaTcDefaultMT):
+//       mma.sync.m16n8k16 (row.col, f32 accumulators), ldmatrix, cp.async double buffering,
+//       probabilities repacked in registers as the A operand of P @ V. sm_80 or newer.
+//   aa_fwd_simt<T, D, SOFTCAP, DROPOUT, MASK>   float / double on CUDA cores, register tiles,
+//       accumulation (and softmax, and LSE) in T.
+// D (head dim of Q, K and V) is one of 32, 64, 96, 128, 256; the host pads other sizes.
+// Runtime options (null pointers when absent; contiguous (batch, Hq) in the accumulation
+// type, indexed blockIdx.z * gridDim.y + head): sinks, gpt-oss logits folded into each
+// row's denominator at the end (aa_fold_sink), and alibi slopes, -slope * |i + offset - j|
+// added to every score after the softcap.
+// MASK: 0 none, 1 dense bool (uint8, nonzero = takes part), 2 dense float bias (float32 for
+// the tc and float kernels, float64 for double), read through four int64 element strides so
+// any broadcast works.
+//
+// Grid: (query blocks, Hq, batch or sequence). A block keeps its Q tile (in registers for
+// D <= 128) while K/V tiles stream through shared memory; online softmax in the log2
+// domain with a running max and a per-thread partial sum; one normalisation at the end.
+// Key tiles outside the block's structural key range are never visited; element masking
+// runs only on tiles that are not entirely allowed (the diagonal and ragged tails).
+//
+// Sequences (AaSeq): with cu_q/cu_k (packed varlen) blockIdx.z is a sequence, the arrays
+// have a single batch, rows are cu_q[z] + i and keys cu_k[z] + j. Otherwise blockIdx.z is
+// the flat batch index, and optional q_lens/kv_lens limit each batch's rows and keys:
+// rows at or past q_len are empty (output 0, LSE -inf). Bottom-right alignment uses the
+// per-sequence offset kv_len - q_len. Dropout indices (as ops/varlen.py defines them):
+// batch = blockIdx.z (flat batch index, or sequence index for varlen), head = query head,
+// row/col = positions within the sequence (so packed varlen equals the padded call).
+//
+// Strides are int64 element strides; the innermost (head-dim) stride is 1. For 16-bit
+// types every row start must be 16-byte aligned (the host guarantees it or copies).
+
+#include "common.cuh"
+
+#define AA_DEV __device__ __forceinline__
+
+// AA_FWD_EMULATION: tests/kernels/forward_emulator.h compiles this file as host C++ and
+// supplies aa_smem, the thread/warp primitives and the PTX wrappers below, so the CPU
+// tests run these very kernels.
+#ifndef AA_FWD_EMULATION
+extern __shared__ __align__(16) unsigned char aa_smem[];
+#endif
+
+// ---------------------------------------------------------------------------------------
+// Sequence geometry
+// ---------------------------------------------------------------------------------------
+struct AaSeq {
+    int tb;          // batch index into the arrays (0 for packed varlen)
+    int row_base;    // first row of the sequence along L
+    int col_base;    // first key of the sequence along S
+    int q_len;       // valid query rows
+    int kv_len;      // valid keys
+    int rows_store;  // rows this sequence owns in the output (L padded, q_len varlen)
+    int offset;      // diagonal offset: query i sits on key i + offset (common.cuh)
+};
+
+AA_DEV int aa_clamp(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+AA_DEV AaSeq aa_sequence(int b, const int* q_lens, const int* kv_lens, const int* cu_q,
+                         const int* cu_k, int L, int S, int diag) {
+    AaSeq s;
+    if (cu_q != nullptr) {
+        s.tb = 0;
+        s.row_base = cu_q[b];
+        s.col_base = cu_k[b];
+        s.q_len = cu_q[b + 1] - s.row_base;
+        s.kv_len = cu_k[b + 1] - s.col_base;
+        s.rows_store = s.q_len;
+    } else {
+        s.tb = b;
+        s.row_base = 0;
+        s.col_base = 0;
+        s.q_len = q_lens != nullptr ? aa_clamp(q_lens[b], 0, L) : L;
+        s.kv_len = kv_lens != nullptr ? aa_clamp(kv_lens[b], 0, S) : S;
+        s.rows_store = L;
+    }
+    s.offset = diag == AA_DIAG_FROM_LENGTHS ? s.kv_len - s.q_len : diag;
+    return s;
+}
+
+// The argument list every forward kernel takes (the host builds it once).
+#define AA_FWD_ARGS(TIO, TACC)                                                               \
+    const TIO *__restrict__ q, const TIO *__restrict__ k, const TIO *__restrict__ v,         \
+        TIO *__restrict__ o, TACC *__restrict__ lse, const void *__restrict__ mask,          \
+        const int *__restrict__ q_lens, const int *__restrict__ kv_lens,                     \
+        const int *__restrict__ cu_q, const int *__restrict__ cu_k, long long q_sb,          \
+        long long q_sh, long long q_sr, long long k_sb, long long k_sh, long long k_sr,      \
+        long long v_sb, long long v_sh, long long v_sr, long long o_sb, long long o_sh,      \
+        long long o_sr, long long lse_sb, long long lse_sh, long long m_sb, long long m_sh, \
+        long long m_sr, long long m_sc, int L, int S, int G, int diag, int left,            \
+        int right, TACC scale_log2, TACC scale, TACC softcap, TACC inv_softcap,             \
+        aa_u32 seed, aa_u32 threshold, TACC inv_keep, const TACC *__restrict__ sinks,       \
+        const TACC *__restrict__ alibi
+
+// Sinks (gpt-oss): fold one more logit sink2 (log2 domain) with no value into a row's
+// running max m and sum l at the end; returns the factor the row's accumulator takes
+// (exp2(m_old - m_new), 0 for a row that saw no key). A -inf sink changes nothing.
+template <typename A>
+AA_DEV A aa_fold_sink(A sink2, A& m, A& l) {
+    if (sink2 == aa_neg_inf<A>()) return A(1);
+    const A mx = m > sink2 ? m : sink2;
+    const A o_scale = m == aa_neg_inf<A>() ? A(0) : aa_exp2(m - mx);
+    l = l * o_scale + aa_exp2(sink2 - mx);
+    m = mx;
+    return o_scale;
+}
+
+// Score (raw q.k) -> log2-domain score after scale, softcap and float bias; -inf where
+// the dense mask says no. The structural mask is applied by the caller.
+template <typename A, bool SOFTCAP, int MASK>
+AA_DEV A aa_score(A raw, A scale_log2, A scale, A cap, A inv_cap, const void* mask,
+                  long long m_off) {
+    A x;
+    if constexpr (SOFTCAP) {
+        x = aa_softcap(raw * scale, cap, inv_cap) * (A)AA_LOG2E;
+    } else {
+        x = raw * scale_log2;
+    }
+    if constexpr (MASK == 1) {
+        if (static_cast<const unsigned char*>(mask)[m_off] == 0) x = aa_neg_inf<A>();
+    } else if constexpr (MASK == 2) {
+        x += static_cast<const A*>(mask)[m_off] * (A)AA_LOG2E;
+    }
+    return x;
+}
+
+// ---------------------------------------------------------------------------------------
+// PTX wrappers (sm_80+)
+// ---------------------------------------------------------------------------------------
+#ifndef AA_FWD_EMULATION
+AA_DEV aa_u32 aa_smem_u32(const void* p) {
+    aa_u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// BYTES = 4, 8 (.ca) or 16 (.cg, L2 only). src-size 0 zero-fills (ragged tails), so no
+// NaN garbage reaches the MMAs.
+template <int BYTES>
+AA_DEV void aa_cp_async(aa_u32 dst, const void* src, bool valid) {
+    if constexpr (BYTES == 16) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                     "r"(valid ? 16 : 0)
+                     : "memory");
+    } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src),
+                     "n"(BYTES), "r"(valid ? BYTES : 0)
+                     : "memory");
+    }
+}
+AA_DEV void aa_cp_async16(aa_u32 dst, const void* src, bool valid) {
+    aa_cp_async<16>(dst, src, valid);
+}
+AA_DEV void aa_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+AA_DEV void aa_cp_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+AA_DEV void aa_ldsm_x4(aa_u32 addr, aa_u32& r0, aa_u32& r1, aa_u32& r2, aa_u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr)
+                 : "memory");
+}
+AA_DEV void aa_ldsm_x4_t(aa_u32 addr, aa_u32& r0, aa_u32& r1, aa_u32& r2, aa_u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr)
+                 : "memory");
+}
+
+// c += a (16x16, row) * b (16x8, col); DT 0 = float16, 1 = bfloat16.
+template <int DT>
+AA_DEV void aa_mma(float (&c)[4], const aa_u32 (&a)[4], aa_u32 b0, aa_u32 b1) {
+    if (DT == 0) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// Two floats -> one register of two 16-bit values, lo in the low half (element order).
+template <int DT>
+AA_DEV aa_u32 aa_pack2(float lo, float hi) {
+    aa_u32 r;
+    if (DT == 0) {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    }
+    return r;
+}
+#endif  // AA_FWD_EMULATION
+
+// ---------------------------------------------------------------------------------------
+// Tensor-core kernel (float16 / bfloat16)
+// ---------------------------------------------------------------------------------------
+// MT: m16 row tiles per warp. MT = 2 (32 rows per warp, Q re-read from shared memory)
+// reuses every K/V fragment for two row tiles, FlashAttention-2's choice on sm80/sm90;
+// MT = 1 (16 rows per warp) keeps the Q fragments in registers instead.
+template <int D>
+struct AaTcDefaultMT {
+    static constexpr int value = D == 256 ? 1 : 2;
+};
+
+template <int D, int MT>
+struct AaTcCfg {
+    static constexpr int BM = D == 256 ? 64 : 128;  // query rows per block
+    static constexpr int BN = (D == 256 || (MT == 2 && D >= 96)) ? 32 : 64;  // keys per tile
+    static constexpr int WARPS = BM / (16 * MT);
+    static constexpr int NT = WARPS * 32;
+    static constexpr bool Q_IN_REGS = MT == 1 && D <= 128;  // else Q fragments from smem
+    static constexpr int DP = D + 8;  // smem row pitch (halves): ldmatrix conflict-free
+    static constexpr int MIN_BLOCKS = 1;
+    static constexpr int SMEM = (BM + 4 * BN) * DP * 2;  // Q + 2 stages of K and V
+};
+
+// Async copy of an R x D tile of 16-bit values (row stride rs elements) into smem rows of
+// pitch DP; rows >= nvalid are zero-filled.
+template <int R, int D, int DP, int NT>
+AA_DEV void aa_tile_async(aa_u32 sbase, const unsigned short* g, long long rs, int nvalid,
+                          const unsigned short* safe, int tid) {
+    constexpr int CPR = D / 8;
+    constexpr int TOTAL = R * CPR;
+#pragma unroll
+    for (int it = 0; it < (TOTAL + NT - 1) / NT; ++it) {
+        const int c = tid + it * NT;
+        if (TOTAL % NT == 0 || c < TOTAL) {
+            const int r = c / CPR;
+            const int kc = c - r * CPR;
+            const bool valid = r < nvalid;
+            const unsigned short* src = valid ? g + r * rs + kc * 8 : safe;
+            aa_cp_async16(sbase + (aa_u32)((r * DP + kc * 8) * 2), src, valid);
+        }
+    }
+}
+
+template <int DT, int D, int MT, bool SOFTCAP, bool DROPOUT, int MASK>
+__global__ void __launch_bounds__(AaTcCfg<D, MT>::NT, AaTcCfg<D, MT>::MIN_BLOCKS)
+    aa_fwd_tc(AA_FWD_ARGS(unsigned short, float)) {
+    using C = AaTcCfg<D, MT>;
+    constexpr int BM = C::BM, BN = C::BN, DP = C::DP, NT = C::NT;
+    constexpr int NS = BN / 8;   // S n-tiles per row tile
+    constexpr int NO = D / 8;    // O n-tiles per row tile
+    constexpr int KS = D / 16;   // k-steps of Q K^T
+    constexpr int WR = 16 * MT;  // rows per warp
+
+    const int b = blockIdx.z, h = blockIdx.y;
+    const AaSeq sq = aa_sequence(b, q_lens, kv_lens, cu_q, cu_k, L, S, diag);
+    const long long bh = (long long)b * gridDim.y + h;
+    const float slope2 = alibi != nullptr ? alibi[bh] * (float)AA_LOG2E : 0.f;
+    const int r0 = (gridDim.x - 1 - blockIdx.x) * BM;  // late (causally heavy) blocks first
+    if (r0 >= sq.rows_store) return;
+    const int rows_valid = sq.q_len - r0;  // may be <= 0 (padding rows only)
+
+    int lo, hi;
+    aa_key_range(r0, r0 + (rows_valid < BM ? rows_valid : BM), sq.offset, left, right,
+                 sq.kv_len, lo, hi);
+    const int n_begin = lo / BN;
+    const int n_end = hi > lo ? (hi + BN - 1) / BN : n_begin;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+
+    unsigned short* sQ = reinterpret_cast<unsigned short*>(aa_smem);
+    const aa_u32 sQa = aa_smem_u32(sQ);
+    const aa_u32 sKa = sQa + BM * DP * 2;
+    const aa_u32 sVa = sKa + 2 * BN * DP * 2;
+    constexpr aa_u32 STAGE = BN * DP * 2;  // bytes per K or V stage
+
+    const unsigned short* qg = q + sq.tb * q_sb + h * q_sh + (long long)(sq.row_base + r0) * q_sr;
+    const int kvh = h / G;
+    const unsigned short* kg = k + sq.tb * k_sb + kvh * k_sh + (long long)sq.col_base * k_sr;
+    const unsigned short* vg = v + sq.tb * v_sb + kvh * v_sh + (long long)sq.col_base * v_sr;
+
+    // Prologue: Q, K[n_begin], V[n_begin] as three commit groups.
+    aa_tile_async<BM, D, DP, NT>(sQa, qg, q_sr, rows_valid, q, tid);
+    aa_cp_commit();
+    if (n_begin < n_end) {
+        const int c0 = n_begin * BN;
+        aa_tile_async<BN, D, DP, NT>(sKa, kg + c0 * k_sr, k_sr, sq.kv_len - c0, k, tid);
+        aa_cp_commit();
+        aa_tile_async<BN, D, DP, NT>(sVa, vg + c0 * v_sr, v_sr, sq.kv_len - c0, v, tid);
+        aa_cp_commit();
+    }
+
+    float acc_o[MT][NO][4];
+    float m_r[MT][2], l_r[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int i = 0; i < NO; ++i)
+            acc_o[mt][i][0] = acc_o[mt][i][1] = acc_o[mt][i][2] = acc_o[mt][i][3] = 0.f;
+        m_r[mt][0] = m_r[mt][1] = aa_neg_inf_f();
+        l_r[mt][0] = l_r[mt][1] = 0.f;
+    }
+    aa_u32 qf[C::Q_IN_REGS ? KS : 1][4];
+
+    // This thread's rows: row_w + 16 * mt + 8 * half.
+    const int row_w = r0 + warp * WR + g;
+    AaDropState drop_rows[MT][2];
+    if constexpr (DROPOUT) {
+        const AaDropState pre = aa_drop_prefix(seed, b, h);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            drop_rows[mt][0] = aa_drop_row(pre, row_w + 16 * mt);
+            drop_rows[mt][1] = aa_drop_row(pre, row_w + 16 * mt + 8);
+        }
+    }
+
+    // ldmatrix lane addresses (byte offsets inside a tile)
+    const aa_u32 q_lane = (aa_u32)(((warp * WR + (lane & 15)) * DP + (lane >> 4) * 8) * 2);
+    const aa_u32 k_lane = (aa_u32)((((lane & 7) + ((lane >> 4) << 3)) * DP + ((lane >> 3) & 1) * 8) * 2);
+    const aa_u32 v_lane = (aa_u32)((((lane & 7) + (((lane >> 3) & 1) << 3)) * DP + (lane >> 4) * 8) * 2);
+
+    for (int n = n_begin; n < n_end; ++n) {
+        const aa_u32 stage = (aa_u32)((n - n_begin) & 1) * STAGE;
+        aa_cp_wait<1>();  // Q and K[n] have landed (V[n] may still be in flight)
+        __syncthreads();
+        if constexpr (C::Q_IN_REGS) {
+            if (n == n_begin) {
+#pragma unroll
+                for (int ks = 0; ks < KS; ++ks)
+                    aa_ldsm_x4(sQa + q_lane + ks * 32, qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3]);
+            }
+        }
+        if (n + 1 < n_end) {
+            const int c1 = (n + 1) * BN;
+            aa_tile_async<BN, D, DP, NT>(sKa + (STAGE ^ stage), kg + c1 * k_sr, k_sr,
+                                         sq.kv_len - c1, k, tid);
+        }
+        aa_cp_commit();
+
+        // S = Q K^T for this warp's rows and the tile's BN keys; each K fragment feeds
+        // all MT row tiles.
+        float s[MT][NS][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < NS; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            aa_u32 a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if constexpr (C::Q_IN_REGS) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) a[mt][e] = qf[ks][e];
+                } else {
+                    aa_ldsm_x4(sQa + q_lane + (mt * 16 * DP + ks * 16) * 2, a[mt][0], a[mt][1],
+                               a[mt][2], a[mt][3]);
+                }
+            }
+#pragma unroll
+            for (int jp = 0; jp < NS / 2; ++jp) {
+                aa_u32 b0, b1, b2, b3;
+                aa_ldsm_x4(sKa + stage + k_lane + (jp * 16 * DP + ks * 16) * 2, b0, b1, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    aa_mma<DT>(s[mt][2 * jp], a[mt], b0, b1);
+                    aa_mma<DT>(s[mt][2 * jp + 1], a[mt], b2, b3);
+                }
+            }
+        }
+
+        // Scores to the log2 domain; masks. Element e of n-tile nt of row tile mt sits at
+        // row row_w + 16 * mt + 8 * (e >> 1), key c0 + nt * 8 + 2 * t + (e & 1).
+        const int c0 = n * BN;
+        const bool full = r0 + BM <= sq.q_len &&
+                          aa_block_full(r0, r0 + BM, c0, c0 + BN, sq.offset, left, right, sq.kv_len);
+        const long long m_base = sq.tb * m_sb + h * m_sh;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int nt = 0; nt < NS; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int i = row_w + 16 * mt + 8 * (e >> 1);
+                    const int j = c0 + nt * 8 + 2 * t + (e & 1);
+                    const bool ok =
+                        full || (i < sq.q_len && aa_allowed(i, j, sq.offset, left, right, sq.kv_len));
+                    float x = aa_neg_inf_f();
+                    if (ok) {
+                        const long long m_off = m_base + (long long)(sq.row_base + i) * m_sr +
+                                                (long long)(sq.col_base + j) * m_sc;
+                        x = aa_score<float, SOFTCAP, MASK>(s[mt][nt][e], scale_log2, scale,
+                                                           softcap, inv_softcap, mask, m_off);
+                        if (alibi != nullptr) x -= slope2 * (float)aa_alibi_dist(i, j, sq.offset);
+                    }
+                    s[mt][nt][e] = x;
+                }
+            }
+        }
+
+        // Online softmax: running max over the row (4 threads share a row), rescale.
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            float mx[2] = {m_r[mt][0], m_r[mt][1]};
+#pragma unroll
+            for (int nt = 0; nt < NS; ++nt) {
+                mx[0] = fmaxf(mx[0], fmaxf(s[mt][nt][0], s[mt][nt][1]));
+                mx[1] = fmaxf(mx[1], fmaxf(s[mt][nt][2], s[mt][nt][3]));
+            }
+            float m_use[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                const float alpha =
+                    m_r[mt][r] == aa_neg_inf_f() ? 0.f : aa_exp2(m_r[mt][r] - mx[r]);
+                m_r[mt][r] = mx[r];
+                m_use[r] = mx[r] == aa_neg_inf_f() ? 0.f : mx[r];  // empty so far: exp2(-inf) = 0
+                l_r[mt][r] *= alpha;
+#pragma unroll
+                for (int i = 0; i < NO; ++i) {
+                    acc_o[mt][i][2 * r] *= alpha;
+                    acc_o[mt][i][2 * r + 1] *= alpha;
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < NS; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float p = aa_exp2(s[mt][nt][e] - m_use[e >> 1]);
+                    l_r[mt][e >> 1] += p;
+                    if constexpr (DROPOUT) {
+                        const int j = c0 + nt * 8 + 2 * t + (e & 1);
+                        s[mt][nt][e] =
+                            aa_drop_keep(aa_drop_bits_rc(drop_rows[mt][e >> 1], j), threshold) ? p : 0.f;
+                    } else {
+                        s[mt][nt][e] = p;
+                    }
+                }
+            }
+        }
+
+        aa_cp_wait<1>();  // V[n] has landed (K[n+1] may still be in flight)
+        __syncthreads();
+        if (n + 1 < n_end) {
+            const int c1 = (n + 1) * BN;
+            aa_tile_async<BN, D, DP, NT>(sVa + (STAGE ^ stage), vg + c1 * v_sr, v_sr,
+                                         sq.kv_len - c1, v, tid);
+        }
+        aa_cp_commit();
+
+        // O += P V with P repacked from the S accumulators as A fragments; each V
+        // fragment feeds all MT row tiles.
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            aa_u32 a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                a[mt][0] = aa_pack2<DT>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                a[mt][1] = aa_pack2<DT>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                a[mt][2] = aa_pack2<DT>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                a[mt][3] = aa_pack2<DT>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                aa_u32 b0, b1, b2, b3;
+                aa_ldsm_x4_t(sVa + stage + v_lane + (kk * 16 * DP + dp * 16) * 2, b0, b1, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    aa_mma<DT>(acc_o[mt][2 * dp], a[mt], b0, b1);
+                    aa_mma<DT>(acc_o[mt][2 * dp + 1], a[mt], b2, b3);
+                }
+            }
+        }
+    }
+
+    // Epilogue: normalise once, stage the warp's rows through its own part of sQ, write
+    // 16-byte vectors; LSE = ln(2) * (m + log2(l)), -inf for empty rows.
+    aa_cp_wait<0>();
+    __syncthreads();
+    unsigned short* sO = sQ + warp * WR * DP;
+    float* lg = lse + sq.tb * lse_sb + h * lse_sh + sq.row_base;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        float inv_l[2], lse_v[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float l = l_r[mt][r];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            float m = m_r[mt][r];
+            float o_scale = 1.f;
+            if (sinks != nullptr) o_scale = aa_fold_sink(sinks[bh] * (float)AA_LOG2E, m, l);
+            inv_l[r] = l > 0.f ? inv_keep * o_scale / l : 0.f;
+            lse_v[r] = l > 0.f ? (m + log2f(l)) * (float)AA_LN2 : aa_neg_inf_f();
+        }
+#pragma unroll
+        for (int i = 0; i < NO; ++i) {
+            const int col = i * 8 + 2 * t;
+            *reinterpret_cast<aa_u32*>(sO + (16 * mt + g) * DP + col) =
+                aa_pack2<DT>(acc_o[mt][i][0] * inv_l[0], acc_o[mt][i][1] * inv_l[0]);
+            *reinterpret_cast<aa_u32*>(sO + (16 * mt + g + 8) * DP + col) =
+                aa_pack2<DT>(acc_o[mt][i][2] * inv_l[1], acc_o[mt][i][3] * inv_l[1]);
+        }
+        if (t == 0) {
+            const int row = row_w + 16 * mt;
+            if (row < sq.rows_store) lg[row] = lse_v[0];
+            if (row + 8 < sq.rows_store) lg[row + 8] = lse_v[1];
+        }
+    }
+    __syncwarp();
+    unsigned short* og = o + sq.tb * o_sb + h * o_sh;
+    constexpr int CPR = D / 8;
+#pragma unroll
+    for (int it = 0; it < (WR * CPR + 31) / 32; ++it) {
+        const int c = lane + it * 32;
+        if ((WR * CPR) % 32 == 0 || c < WR * CPR) {
+            const int rr = c / CPR, kc = c - rr * CPR;
+            const int row = r0 + warp * WR + rr;
+            if (row < sq.rows_store) {
+                *reinterpret_cast<uint4*>(og + (long long)(sq.row_base + row) * o_sr + kc * 8) =
+                    *reinterpret_cast<const uint4*>(sO + rr * DP + kc * 8);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// CUDA-core kernel (float32 / float64)
+// ---------------------------------------------------------------------------------------
+template <typename T, int D>
+struct AaSimtCfg {
+    static constexpr bool F64 = sizeof(T) == 8;
+    static constexpr int BM = F64 ? 32 : 64;
+    // Keys per tile: small enough for two stages of K and V (cp.async double buffering)
+    // and, for float up to D = 128, two blocks per SM.
+    static constexpr int BN = F64 ? (D == 256 ? 16 : 32) : (D <= 64 ? 64 : 32);
+    static constexpr int NT = 128;   // 8 row groups (ty) x 16 column lanes (tx)
+    static constexpr int RM = BM / 8;  // rows per thread
+    static constexpr int CN = BN / 16; // score columns per thread
+    static constexpr int VC = D / 16;  // output columns per thread
+    static constexpr int QP = BM + 4;  // Q^T and P^T pitch: 16-byte aligned row groups
+    static constexpr int KP = D + 1;   // K pitch: conflict-free column reads
+    static constexpr int SMEM = (D * QP + 2 * BN * KP + 2 * BN * D + BN * QP) * (int)sizeof(T);
+    static constexpr int MIN_BLOCKS = AaMinBlocks<SMEM, NT>::value;
+};
+
+// RM consecutive values from 16-byte aligned shared memory.
+template <typename T, int RM>
+AA_DEV void aa_load_run(const T* p, T (&out)[RM]) {
+    if constexpr (sizeof(T) == 4) {
+#pragma unroll
+        for (int i = 0; i < RM; i += 4) {
+            const float4 f = *reinterpret_cast<const float4*>(p + i);
+            out[i] = f.x; out[i + 1] = f.y; out[i + 2] = f.z; out[i + 3] = f.w;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < RM; i += 2) {
+            const double2 f = *reinterpret_cast<const double2*>(p + i);
+            out[i] = f.x; out[i + 1] = f.y;
+        }
+    }
+}
+
+template <typename T, int D, bool SOFTCAP, bool DROPOUT, int MASK>
+__global__ void __launch_bounds__(AaSimtCfg<T, D>::NT, AaSimtCfg<T, D>::MIN_BLOCKS)
+    aa_fwd_simt(AA_FWD_ARGS(T, T)) {
+    using C = AaSimtCfg<T, D>;
+    constexpr int BM = C::BM, BN = C::BN, NT = C::NT, RM = C::RM, CN = C::CN, VC = C::VC;
+    constexpr int QP = C::QP, KP = C::KP;
+
+    const int b = blockIdx.z, h = blockIdx.y;
+    const AaSeq sq = aa_sequence(b, q_lens, kv_lens, cu_q, cu_k, L, S, diag);
+    const long long bh = (long long)b * gridDim.y + h;
+    const T slope2 = alibi != nullptr ? alibi[bh] * (T)AA_LOG2E : (T)0;
+    const int r0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    if (r0 >= sq.rows_store) return;
+    const int rows_valid = sq.q_len - r0;
+
+    int lo, hi;
+    aa_key_range(r0, r0 + (rows_valid < BM ? rows_valid : BM), sq.offset, left, right,
+                 sq.kv_len, lo, hi);
+    const int n_begin = lo / BN;
+    const int n_end = hi > lo ? (hi + BN - 1) / BN : n_begin;
+
+    const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
+    T* sQt = reinterpret_cast<T*>(aa_smem);  // [D][QP]
+    T* sK0 = sQt + D * QP;                    // 2 stages of [BN][KP]
+    T* sV0 = sK0 + 2 * BN * KP;               // 2 stages of [BN][D]
+    T* sPt = sV0 + 2 * BN * D;                // [BN][QP]
+
+    const T* qg = q + sq.tb * q_sb + h * q_sh + (long long)(sq.row_base + r0) * q_sr;
+    const int kvh = h / G;
+    const T* kg = k + sq.tb * k_sb + kvh * k_sh + (long long)sq.col_base * k_sr;
+    const T* vg = v + sq.tb * v_sb + kvh * v_sh + (long long)sq.col_base * v_sr;
+
+    // K/V tiles stream through two stages with element-wise cp.async (K's odd pitch rules
+    // out 16-byte copies), in commit groups K[n], V[n], K[n+1], V[n+1], ...
+    auto load_kv = [&](T* dst, const T* src, long long rs, int pitch, int c0) {
+        const int valid_rows = sq.kv_len - c0;
+        for (int idx = tid; idx < BN * D; idx += NT) {
+            const int r = idx / D, d = idx - r * D;
+            const bool valid = r < valid_rows;
+            aa_cp_async<(int)sizeof(T)>(aa_smem_u32(dst + r * pitch + d),
+                                        valid ? src + (long long)(c0 + r) * rs + d : src, valid);
+        }
+    };
+    if (n_begin < n_end) {
+        load_kv(sK0, kg, k_sr, KP, n_begin * BN);
+        aa_cp_commit();
+        load_kv(sV0, vg, v_sr, D, n_begin * BN);
+        aa_cp_commit();
+    }
+    for (int idx = tid; idx < BM * D; idx += NT) {
+        const int r = idx / D, d = idx - r * D;
+        sQt[d * QP + r] = r < rows_valid ? qg[r * q_sr + d] : (T)0;
+    }
+
+    T acc[RM][VC];
+    T m_r[RM], l_r[RM];
+#pragma unroll
+    for (int r = 0; r < RM; ++r) {
+        m_r[r] = aa_neg_inf<T>();
+        l_r[r] = 0;
+#pragma unroll
+        for (int c = 0; c < VC; ++c) acc[r][c] = 0;
+    }
+    AaDropState drop_pre;
+    if (DROPOUT) drop_pre = aa_drop_prefix(seed, b, h);
+    const long long m_base = sq.tb * m_sb + h * m_sh;
+
+    for (int n = n_begin; n < n_end; ++n) {
+        const int c0 = n * BN;
+        const int st = (n - n_begin) & 1;
+        const T* sK = sK0 + st * BN * KP;
+        const T* sV = sV0 + st * BN * D;
+        aa_cp_wait<1>();  // K[n] has landed (V[n] may still be in flight)
+        __syncthreads();  // ... for every thread; Q^T stored; tile n-1 fully used
+        if (n + 1 < n_end) load_kv(sK0 + (st ^ 1) * BN * KP, kg, k_sr, KP, c0 + BN);
+        aa_cp_commit();
+
+        T s[RM][CN];
+#pragma unroll
+        for (int r = 0; r < RM; ++r)
+#pragma unroll
+            for (int c = 0; c < CN; ++c) s[r][c] = 0;
+#pragma unroll 4
+        for (int d = 0; d < D; ++d) {
+            T qv[RM], kv[CN];
+            aa_load_run<T, RM>(sQt + d * QP + ty * RM, qv);
+#pragma unroll
+            for (int c = 0; c < CN; ++c) kv[c] = sK[(tx + 16 * c) * KP + d];
+#pragma unroll
+            for (int r = 0; r < RM; ++r)
+#pragma unroll
+                for (int c = 0; c < CN; ++c) s[r][c] = fma(qv[r], kv[c], s[r][c]);
+        }
+
+        const bool full = r0 + BM <= sq.q_len &&
+                          aa_block_full(r0, r0 + BM, c0, c0 + BN, sq.offset, left, right, sq.kv_len);
+#pragma unroll
+        for (int r = 0; r < RM; ++r) {
+            const int i = r0 + ty * RM + r;
+            T mx = m_r[r];
+#pragma unroll
+            for (int c = 0; c < CN; ++c) {
+                const int j = c0 + tx + 16 * c;
+                const bool ok =
+                    full || (i < sq.q_len && aa_allowed(i, j, sq.offset, left, right, sq.kv_len));
+                T x = aa_neg_inf<T>();
+                if (ok) {
+                    const long long m_off =
+                        m_base + (long long)(sq.row_base + i) * m_sr + (long long)(sq.col_base + j) * m_sc;
+                    x = aa_score<T, SOFTCAP, MASK>(s[r][c], scale_log2, scale, softcap,
+                                                   inv_softcap, mask, m_off);
+                    if (alibi != nullptr) x -= slope2 * (T)aa_alibi_dist(i, j, sq.offset);
+                }
+                s[r][c] = x;
+                mx = mx > x ? mx : x;
+            }
+#pragma unroll
+            for (int off = 1; off < 16; off <<= 1) {
+                const T other = __shfl_xor_sync(0xffffffffu, mx, off);
+                mx = mx > other ? mx : other;
+            }
+            const T alpha = m_r[r] == aa_neg_inf<T>() ? (T)0 : aa_exp2(m_r[r] - mx);
+            m_r[r] = mx;
+            const T m_use = mx == aa_neg_inf<T>() ? (T)0 : mx;
+            l_r[r] *= alpha;
+#pragma unroll
+            for (int c = 0; c < VC; ++c) acc[r][c] *= alpha;
+            AaDropState drow;
+            if (DROPOUT) drow = aa_drop_row(drop_pre, i);
+#pragma unroll
+            for (int c = 0; c < CN; ++c) {
+                T p = aa_exp2(s[r][c] - m_use);
+                l_r[r] += p;
+                if (DROPOUT) {
+                    const int j = c0 + tx + 16 * c;
+                    if (!aa_drop_keep(aa_drop_bits_rc(drow, j), threshold)) p = 0;
+                }
+                sPt[(tx + 16 * c) * QP + ty * RM + r] = p;
+            }
+        }
+        aa_cp_wait<1>();  // V[n] has landed (K[n+1] may still be in flight)
+        __syncthreads();  // ... for every thread, and P^T is complete
+        if (n + 1 < n_end) load_kv(sV0 + (st ^ 1) * BN * D, vg, v_sr, D, c0 + BN);
+        aa_cp_commit();
+
+#pragma unroll 4
+        for (int kk = 0; kk < BN; ++kk) {
+            T pv[RM], vv[VC];
+            aa_load_run<T, RM>(sPt + kk * QP + ty * RM, pv);
+#pragma unroll
+            for (int c = 0; c < VC; ++c) vv[c] = sV[kk * D + tx + 16 * c];
+#pragma unroll
+            for (int r = 0; r < RM; ++r)
+#pragma unroll
+                for (int c = 0; c < VC; ++c) acc[r][c] = fma(pv[r], vv[c], acc[r][c]);
+        }
+    }
+
+    aa_cp_wait<0>();
+    T* og = o + sq.tb * o_sb + h * o_sh;
+    T* lg = lse + sq.tb * lse_sb + h * lse_sh + sq.row_base;
+#pragma unroll
+    for (int r = 0; r < RM; ++r) {
+        T l = l_r[r];
+#pragma unroll
+        for (int off = 1; off < 16; off <<= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+        const int row = r0 + ty * RM + r;
+        if (row < sq.rows_store) {
+            T m = m_r[r];
+            T o_scale = (T)1;
+            if (sinks != nullptr) o_scale = aa_fold_sink(sinks[bh] * (T)AA_LOG2E, m, l);
+            const T inv = l > (T)0 ? inv_keep * o_scale / l : (T)0;
+#pragma unroll
+            for (int c = 0; c < VC; ++c)
+                og[(long long)(sq.row_base + row) * o_sr + tx + 16 * c] = acc[r][c] * inv;
+            if (tx == 0)
+                lg[row] = l > (T)0 ? (m + log2(l)) * (T)AA_LN2 : aa_neg_inf<T>();
+        }
+    }
+}

@@ -1,0 +1,593 @@
+"""Fused attention backward on CuPy: the FlashAttention-2 kernels of ``attn_bwd.cu``.
+
+``FusedAttention.backward`` (``fused.py``) calls :func:`backward` here when
+:func:`declines` returns ``None``; otherwise the array-API backward runs (chunked for large
+score matrices, else composed) from the same saved LSE. Three steps on the GPU:
+
+1. ``aa_bwd_preprocess``: ``D = rowsum(dO * O) - dLSE`` and ``LSE * log2(e)`` per row
+   (``+inf`` on empty rows, which makes every probability of the row 0).
+2. ``aa_bwd_dkdv_*``: one thread block per (key block, KV head, batch) recomputes
+   ``P = exp(S - LSE)`` tile by tile, keeps its dK/dV rows on chip while it loops over
+   the query heads of its GQA group and the query blocks that can see its keys, and
+   (default mode) adds ``dQ = dS K`` into a float32 accumulator with atomics, converted to
+   the query dtype at the end.
+3. Deterministic mode: ``aa_bwd_dq_*``, one block per (query block, query head, batch)
+   that owns its dQ rows and visits key blocks in a fixed order, replaces the atomics.
+   Every gradient is then bit-identical from run to run (the default mode's dQ is not:
+   float atomics add in arrival order). It recomputes S and dP once more, so it costs
+   about 7/5 of the default mode's matrix products.
+
+**Deterministic mode** is a process-wide setting, like
+``torch.use_deterministic_algorithms``: :func:`set_deterministic`, the context manager
+:func:`deterministic`, or the environment variable ``ARRAYATTN_DETERMINISTIC=1`` at import.
+:func:`backward` also takes ``deterministic=`` per call.
+
+**What runs in the kernels** (:func:`declines` gives the reason for anything else): CuPy
+arrays of float16 and bfloat16 (tensor cores, ``mma.sync`` m16n8k16, head dims up to 128;
+CUDA cores with float32 accumulators at 256), float32 and float64 (CUDA cores), head dims
+up to 256 (``E`` and ``Ev`` may differ; the tiles are zero-padded), both causal alignments,
+windows, GQA/MQA, ``q_lengths``/``kv_lengths``, softcap, the seed-defined dropout
+(regenerated, never stored), a dense boolean ``attn_mask`` of any broadcastable shape
+(read through element strides, as the forward kernels read it), any broadcasting of the
+leading dims (inputs are made contiguous; K/V broadcast over batch dims are reduced back
+after the kernels), ALiBi slopes (the bias recomputed per element from indices), sinks
+(already in the saved LSE; their gradient is a row reduction the caller does). A float
+``attn_mask`` (additive bias) declines: its gradient is a
+dense ``L x S`` array, which the array-API backward computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..._backend import Array, is_cupy, library_name
+from ..dropout import dropout_threshold
+from ..spec import AttentionSpec
+from . import _loader
+from .operands import (
+    compute_capability,
+    kernel_diagonal,
+    kernel_kind,
+    mask_operand,
+    per_head_operand,
+)
+from .tiles import DIAG_FROM_LENGTHS, block_full, key_range
+
+__all__ = [
+    "backward",
+    "declines",
+    "run_kernels",
+    "backward_plan",
+    "BackwardPlan",
+    "row_range",
+    "dkdv_schedule",
+    "dq_schedule",
+    "set_deterministic",
+    "is_deterministic",
+    "deterministic",
+    "COMPILE_VARIANTS",
+    "HOT_VARIANTS",
+]
+
+SOURCE = "attn_bwd.cu"
+NULL = np.uint64(0)
+"""A null pointer argument for the kernels (CuPy passes a numpy scalar by value)."""
+
+_KIND_TYPES = {
+    "float16": ("AaF16", "float"),
+    "bfloat16": ("AaBF16", "float"),
+    "float32": ("float", "float"),
+    "float64": ("double", "double"),
+}
+_GRID_YZ_MAX = 65535
+_SIMT_HEAD_DIMS = (32, 64, 128, 256)
+_MMA_HEAD_DIMS = (32, 64, 96, 128)
+
+_DETERMINISTIC: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "arrayattn_deterministic",
+    default=os.environ.get("ARRAYATTN_DETERMINISTIC", "").strip().lower() in ("1", "true", "yes"),
+)
+
+
+# -- the deterministic setting ----------------------------------------------------------------
+def set_deterministic(flag: bool) -> None:
+    """Make the fused backward bit-reproducible (``True``) or use dQ atomics (``False``,
+    the default; faster). Applies to the current context (thread / task).
+
+    Examples:
+        >>> from arrayattn.attention.cuda import backward
+        >>> backward.set_deterministic(True); backward.is_deterministic()
+        True
+        >>> backward.set_deterministic(False)
+    """
+    if not isinstance(flag, bool):
+        raise TypeError(f"flag must be a bool, got {type(flag).__name__}")
+    _DETERMINISTIC.set(flag)
+
+
+def is_deterministic() -> bool:
+    """The current deterministic setting (see :func:`set_deterministic`)."""
+    return _DETERMINISTIC.get()
+
+
+@contextlib.contextmanager
+def deterministic(flag: bool = True) -> Iterator[None]:
+    """Context manager: the fused backward inside the block runs deterministic (or not).
+
+    Examples:
+        >>> from arrayattn.attention.cuda import backward
+        >>> with backward.deterministic():
+        ...     backward.is_deterministic()
+        True
+    """
+    if not isinstance(flag, bool):
+        raise TypeError(f"flag must be a bool, got {type(flag).__name__}")
+    token = _DETERMINISTIC.set(flag)
+    try:
+        yield
+    finally:
+        _DETERMINISTIC.reset(token)
+
+
+# -- kernel variants and launch shapes ----------------------------------------------------------
+@dataclass(frozen=True)
+class BackwardPlan:
+    """The kernels and launch shapes of one backward: which instantiations run, their
+    threads per block, tile sizes and dynamic shared memory (bytes)."""
+
+    kind: str
+    head_dim: int  # the kernels' padded head dim (>= E and Ev)
+    tensor_cores: bool
+    preprocess: str
+    dkdv: str
+    dkdv_threads: int
+    dkdv_block_n: int  # keys per dK/dV thread block
+    dkdv_block_m: int  # query rows per step of that block
+    dkdv_smem: int
+    dq: str
+    dq_threads: int
+    dq_block_m: int  # query rows per dQ thread block (deterministic mode)
+    dq_block_n: int  # keys per step of that block
+    dq_smem: int
+    convert: str | None  # dQ accumulator -> query dtype (None: float32/float64 in place)
+
+
+def _bucket(need: int, dims: Sequence[int]) -> int | None:
+    for d in dims:
+        if need <= d:
+            return d
+    return None
+
+
+def _simt_tiles(kind: str, d: int) -> tuple[int, int]:
+    """(keys per block BN, query rows per step BM) of the CUDA-core kernels (256 threads)."""
+    if kind == "float64":
+        if d <= 64:
+            return 64, 32
+        return (32, 32) if d == 128 else (16, 16)
+    return (64, 32) if d <= 128 else (32, 32)
+
+
+def backward_plan(kind: str, e: int, ev: int) -> BackwardPlan | None:
+    """The backward kernels for dtype ``kind`` and head dims ``e`` (query/key) and ``ev``
+    (value), or ``None`` when no variant holds them (both above 256).
+
+    Examples:
+        >>> p = backward_plan("float16", 128, 128)
+        >>> p.dkdv, p.dkdv_block_n, p.dq
+        ('aa_bwd_dkdv_mma<AaF16, 128, 8, 16>', 128, 'aa_bwd_dq_mma<AaF16, 128, 4, 32>')
+    """
+    if kind not in _KIND_TYPES:
+        raise ValueError(f"kind must be one of {tuple(_KIND_TYPES)}, got {kind!r}")
+    t, acc = _KIND_TYPES[kind]
+    need = max(e, ev, 1)
+    pre = f"aa_bwd_preprocess<{t}, {acc}>"
+    if kind in ("float16", "bfloat16"):
+        d = _bucket(need, _MMA_HEAD_DIMS)
+        if d is not None:
+            # (warps, query rows per step): the largest tiles that compile without
+            # register spills on sm_90 (D=96 spills 8 bytes; .ci/compile_kernels.py).
+            nw, bm = {32: (4, 64), 64: (8, 32), 96: (6, 16), 128: (8, 16)}[d]
+            qnw, qbn = {32: (4, 64), 64: (4, 64), 96: (4, 64), 128: (4, 32)}[d]
+            bn, qbm, pitch = 16 * nw, 16 * qnw, d + 8
+            return BackwardPlan(
+                kind=kind,
+                head_dim=d,
+                tensor_cores=True,
+                preprocess=pre,
+                dkdv=f"aa_bwd_dkdv_mma<{t}, {d}, {nw}, {bm}>",
+                dkdv_threads=32 * nw,
+                dkdv_block_n=bn,
+                dkdv_block_m=bm,
+                dkdv_smem=(2 * bn * pitch + 2 * bm * pitch + bn * (bm + 8)) * 2 + 2 * bm * 4,
+                dq=f"aa_bwd_dq_mma<{t}, {d}, {qnw}, {qbn}>",
+                dq_threads=32 * qnw,
+                dq_block_m=qbm,
+                dq_block_n=qbn,
+                dq_smem=(2 * qbm * pitch + 2 * qbn * pitch) * 2 + 2 * qbm * 4,
+                convert=f"aa_bwd_convert<{t}, float>",
+            )
+    d = _bucket(need, _SIMT_HEAD_DIMS)
+    if d is None:
+        return None
+    bn, bm = _simt_tiles(kind, d)
+    size = 8 if kind == "float64" else 4
+    smem = (2 * bn * (d + 1) + 2 * bm * (d + 1) + 2 * bm * (bn + 1) + 2 * bm) * size
+    tail = f"{t}, {acc}, {d}, {bn}, {bm}, 256"
+    return BackwardPlan(
+        kind=kind,
+        head_dim=d,
+        tensor_cores=False,
+        preprocess=pre,
+        dkdv=f"aa_bwd_dkdv_simt<{tail}>",
+        dkdv_threads=256,
+        dkdv_block_n=bn,
+        dkdv_block_m=bm,
+        dkdv_smem=smem,
+        dq=f"aa_bwd_dq_simt<{tail}>",
+        dq_threads=256,
+        dq_block_m=bm,
+        dq_block_n=bn,
+        dq_smem=smem,
+        convert=None if kind in ("float32", "float64") else f"aa_bwd_convert<{t}, float>",
+    )
+
+
+def _all_plans() -> list[BackwardPlan]:
+    plans = []
+    for kind in _KIND_TYPES:
+        dims = _MMA_HEAD_DIMS + (256,) if kind in ("float16", "bfloat16") else _SIMT_HEAD_DIMS
+        for d in dims:
+            plan = backward_plan(kind, d, d)
+            if plan is not None:
+                plans.append(plan)
+    return plans
+
+
+def _variant_names() -> list[str]:
+    names: list[str] = []
+    for plan in _all_plans():
+        for name in (plan.preprocess, plan.dkdv, plan.dq, plan.convert):
+            if name is not None and name not in names:
+                names.append(name)
+    return names
+
+
+COMPILE_VARIANTS: dict[str, list[str]] = {SOURCE: _variant_names()}
+"""Every backward instantiation, for ``.ci/compile_kernels.py`` (and the CPU emulator)."""
+
+HOT_VARIANTS: list[str] = [
+    name
+    for kind in ("float16", "bfloat16")
+    for d in (64, 128)
+    for name in (backward_plan(kind, d, d).dkdv, backward_plan(kind, d, d).dq)  # type: ignore[union-attr]
+]
+"""The variants the compile check fails on when they spill: float16/bfloat16 at D = 64, 128."""
+
+
+# -- the block schedule, mirrored from attn_bwd.cu for the host and the CPU tests -----------------
+def row_range(c0: int, c1: int, offset: int, left: int, right: int, q_len: int) -> tuple[int, int]:
+    """``aa_row_range``: the half-open range of query rows that may see some key of
+    ``[c0, c1)`` (the inverse of ``tiles.key_range``); empty as ``lo >= hi``."""
+    if c1 <= c0:
+        return 0, 0
+    lo, hi = 0, q_len
+    if right >= 0:
+        lo = max(0, c0 - offset - right)
+    if left >= 0:
+        hi = min(q_len, c1 - 1 - offset + left + 1)
+    return lo, max(lo, hi)
+
+
+def dkdv_schedule(
+    c0: int,
+    block_n: int,
+    block_m: int,
+    q_len: int,
+    kv_len: int,
+    offset: int,
+    left: int,
+    right: int,
+) -> list[tuple[int, bool]]:
+    """The query blocks ``(m0, full)`` the dK/dV kernel visits (for each query head of the
+    group, in this order) for the key block starting at ``c0``; ``full`` means the element
+    mask is skipped. Mirrors the loop of ``aa_bwd_dkdv_*``."""
+    lo, hi = row_range(c0, min(c0 + block_n, kv_len), offset, left, right, q_len)
+    return [
+        (m0, block_full(m0, m0 + block_m, c0, c0 + block_n, offset, left, right, kv_len))
+        for m0 in range((lo // block_m) * block_m if hi > lo else hi, hi, block_m)
+    ]
+
+
+def dq_schedule(
+    m0: int,
+    block_m: int,
+    block_n: int,
+    q_len: int,
+    kv_len: int,
+    offset: int,
+    left: int,
+    right: int,
+) -> list[tuple[int, bool]]:
+    """The key blocks ``(c0, full)`` the deterministic dQ kernel visits, in order, for the
+    query block starting at ``m0``. Mirrors the loop of ``aa_bwd_dq_*``."""
+    lo, hi = key_range(m0, min(m0 + block_m, q_len), offset, left, right, kv_len)
+    return [
+        (c0, block_full(m0, m0 + block_m, c0, c0 + block_n, offset, left, right, kv_len))
+        for c0 in range((lo // block_n) * block_n if hi > lo else hi, hi, block_n)
+    ]
+
+
+# -- running the kernels (any launcher: CuPy, or the CPU emulator in the tests) ----------------
+Launch = Callable[[str, tuple[int, int, int], int, int, tuple[Any, ...]], None]
+"""``launch(name, grid, threads, smem_bytes, args)`` runs one kernel instantiation."""
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def run_kernels(
+    xp: Any,
+    launch: Launch,
+    plan: BackwardPlan,
+    q: Array,
+    k: Array,
+    v: Array,
+    out: Array,
+    d_out: Array,
+    lse: Array,
+    d_lse: Array | None,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    bottom_right: bool = False,
+    diagonal: int | None = None,
+    window: tuple[int, int] = (-1, -1),
+    q_lens: Array | None = None,
+    kv_lens: Array | None = None,
+    seed: int = 0,
+    dropout_p: float = 0.0,
+    mask: Array | None = None,
+    mask_strides: tuple[int, int, int, int] = (0, 0, 0, 0),
+    deterministic: bool = False,
+    alibi: Array | None = None,
+) -> tuple[Array, Array, Array]:
+    """The backward on contiguous arrays: ``q (B, Hq, L, E)``, ``k (B, Hkv, S, E)``,
+    ``v (B, Hkv, S, Ev)``, ``out``/``d_out (B, Hq, L, Ev)`` in the kernel dtype,
+    ``diagonal`` the kernels' ``diag`` (``fused.kernel_diagonal``; default: per-sequence
+    ``kv_len - q_len`` when ``bottom_right``, else 0),
+    ``lse``/``d_lse (B, Hq, L)`` float32 (float64 for float64); ``q_lens``/``kv_lens``
+    int32 ``(B,)`` or ``None``. Returns contiguous ``(dq, dk, dv)`` of q's, k's and v's
+    shapes and dtype. ``xp`` allocates the buffers (CuPy, or NumPy under the emulator);
+    ``launch`` runs each kernel. ``window`` is ``(left, right)`` with ``-1`` unbounded and
+    the causal bound already folded in (``Structure``). ``mask`` is a boolean attn_mask
+    as uint8 (nonzero = takes part) read at ``b * s0 + h * s1 + i * s2 + j * s3`` for the
+    element strides ``mask_strides`` (0 on broadcast dims). ``alibi`` holds ALiBi slopes,
+    contiguous ``(B * Hq,)`` in the accumulation dtype, or ``None``. Sinks need no
+    argument: ``lse`` includes them.
+    """
+    B, Hq, L, E = (int(s) for s in q.shape)
+    Hkv, S, Ev = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
+    f64 = plan.kind == "float64"
+    acc_np = np.float64 if f64 else np.float32
+    acc = xp.float64 if f64 else xp.float32
+    i32, u32 = np.int32, np.uint32
+
+    rows = B * Hq * L
+    delta = xp.empty((B, Hq, L), dtype=acc)
+    lse2 = xp.empty((B, Hq, L), dtype=acc)
+    launch(
+        plan.preprocess,
+        (_cdiv(rows, 8), 1, 1),
+        256,
+        0,
+        (out, d_out, lse, NULL if d_lse is None else d_lse, delta, lse2, np.int64(rows), i32(Ev)),
+    )
+
+    dropout = dropout_p > 0.0
+    if diagonal is None:
+        diag = DIAG_FROM_LENGTHS if bottom_right else 0
+    else:
+        diag = int(diagonal)
+    common = (
+        q, k, v, d_out, lse2, delta,
+        i32(Hq), i32(Hkv), i32(L), i32(S), i32(E), i32(Ev),
+        acc_np(scale), acc_np(0.0 if softcap is None else softcap),
+        i32(diag), i32(window[0]), i32(window[1]),
+        NULL if q_lens is None else q_lens, NULL if kv_lens is None else kv_lens,
+        u32(seed if dropout else 0), u32(dropout_threshold(dropout_p) if dropout else 0),
+        acc_np(1.0 / (1.0 - dropout_p)),
+        NULL if mask is None else mask, *(np.int64(st) for st in mask_strides),
+        NULL if alibi is None else alibi,
+    )  # fmt: skip
+    dk = xp.empty((B, Hkv, S, E), dtype=q.dtype)
+    dv = xp.empty((B, Hkv, S, Ev), dtype=q.dtype)
+    grid_kv = (_cdiv(S, plan.dkdv_block_n), Hkv, B)
+    if deterministic:
+        launch(plan.dkdv, grid_kv, plan.dkdv_threads, plan.dkdv_smem, common + (dk, dv, NULL))
+        dq = xp.empty((B, Hq, L, E), dtype=q.dtype)
+        grid_q = (_cdiv(L, plan.dq_block_m), Hq, B)
+        launch(plan.dq, grid_q, plan.dq_threads, plan.dq_smem, common + (dq,))
+        return dq, dk, dv
+    dq_acc = xp.zeros((B, Hq, L, E), dtype=acc)
+    launch(plan.dkdv, grid_kv, plan.dkdv_threads, plan.dkdv_smem, common + (dk, dv, dq_acc))
+    if plan.convert is None:
+        return dq_acc, dk, dv
+    dq = xp.empty((B, Hq, L, E), dtype=q.dtype)
+    n = B * Hq * L * E
+    launch(plan.convert, (_cdiv(n, 256), 1, 1), 256, 0, (dq_acc, dq, np.int64(n)))
+    return dq, dk, dv
+
+
+# -- the implementation hook ----------------------------------------------------------------------
+def declines(spec: AttentionSpec) -> str | None:
+    """``None`` when the backward kernels run this call, else why not (the caller then
+    uses the array-API backward on the same saved LSE)."""
+    if not is_cupy(spec.xp):
+        return f"the backward kernels need CuPy arrays, got {library_name(spec.xp)}"
+    kind = kernel_kind(spec)
+    if kind is None:
+        return f"dtype {spec.dtype} is not float16, bfloat16, float32 or float64"
+    if backward_plan(kind, spec.E, spec.Ev) is None:
+        return f"head dims E={spec.E}, Ev={spec.Ev} exceed 256"
+    if spec.mask_kind == "float":
+        return "a float attn_mask (bias) needs its dense gradient: the array-API backward"
+    if spec.batch_size > _GRID_YZ_MAX or spec.Hq > _GRID_YZ_MAX:
+        return f"batch {spec.batch_size} or heads {spec.Hq} above the grid limit {_GRID_YZ_MAX}"
+    if spec.dropout_p > 0 and (spec.batch_ids or spec.head0 or spec.row0 or spec.col0):
+        return "the kernels hash dropout at local positions; this is a block of a larger call"
+    if kernel_diagonal(spec) is None:
+        return "this block's per-sequence diagonal offsets are not its kv_len - q_len"
+    if kind in ("float16", "bfloat16"):
+        # CuPy gives "90", "100", ...: the whole string is the number (major * 10 + minor)
+        cc = compute_capability(spec)
+        if cc < 80:
+            return (
+                f"{kind} backward kernels need compute capability >= 8.0; this device has "
+                f"{cc / 10:.1f}"
+            )
+    return None
+
+
+def _full(spec: AttentionSpec, x: Array, shape: tuple[int, ...], heads: int, tail) -> Array:
+    """``x`` (one of the call's arrays, of its own ``shape``) broadcast to
+    ``(*lead, heads, *tail)`` and made a contiguous ``(B, heads, *tail)`` array."""
+    import cupy
+
+    nd = len(spec.lead) + 3 if len(tail) == 2 else len(spec.lead) + 2
+    x = x.reshape((1,) * (nd - len(shape)) + tuple(shape))
+    x = cupy.broadcast_to(x, spec.lead + (heads,) + tuple(tail))
+    x = cupy.ascontiguousarray(x).reshape((spec.batch_size, heads) + tuple(tail))
+    if getattr(getattr(x, "data", None), "ptr", 0) % 16:
+        x = x.copy()  # a view at an odd offset: the 16-byte tile loads need aligned rows
+    return x
+
+
+def _reduce(spec: AttentionSpec, g: Array, shape: tuple[int, ...], heads: int) -> Array:
+    """Kernel gradient ``(B, heads, X, Y)`` -> the argument's own ``shape``, summing over
+    dims that broadcasting stretched (in float32/float64, then cast back)."""
+    import cupy
+
+    full = spec.lead + (heads,) + tuple(g.shape[-2:])
+    g = g.reshape(full)
+    nd = len(full)
+    own = (1,) * (nd - len(shape)) + tuple(shape)
+    axes = tuple(a for a in range(nd) if own[a] == 1 and full[a] != 1)
+    if axes:
+        acc = cupy.float64 if g.dtype == cupy.float64 else cupy.float32
+        g = g.astype(acc).sum(axis=axes, keepdims=True).astype(spec.dtype)
+    return g.reshape(shape)
+
+
+def _lengths(spec: AttentionSpec, x: Array | None) -> Array | None:
+    import cupy
+
+    if x is None:
+        return None
+    return cupy.ascontiguousarray(cupy.asarray(x, dtype=cupy.int32).reshape(spec.batch_size))
+
+
+def _cupy_launch(name: str, grid, threads: int, smem: int, args) -> None:
+    kernel = _loader.get_kernel(SOURCE, name, smem)
+    kernel(grid, (threads,), args, shared_mem=smem)
+
+
+def backward(
+    spec: AttentionSpec,
+    query: Array,
+    key: Array,
+    value: Array,
+    attn_mask: Array | None,
+    out: Array,
+    lse: Array,
+    d_out: Array | None,
+    d_lse: Array | None,
+    *,
+    deterministic: bool | None = None,
+) -> tuple[Array, Array, Array, Array | None]:
+    """``(d_query, d_key, d_value, None)`` in the user's shapes and dtype, through the
+    backward kernels (the ``Implementation.backward`` signature; ``d_out``/``d_lse``
+    ``None`` mean zero). ``deterministic=None`` uses :func:`is_deterministic`.
+
+    Raises ``ValueError`` naming the reason when :func:`declines` does.
+
+    Example (needs CuPy and a GPU)::
+
+        >>> import cupy as cp, arrayattn as aa  # doctest: +SKIP
+        >>> q = cp.random.standard_normal((2, 8, 512, 64)).astype(cp.float16)  # doctest: +SKIP
+        >>> out, pullback = aa.vjp(aa.scaled_dot_product_attention, q, q, q,  # doctest: +SKIP
+        ...                        is_causal=True, implementation="fused")
+        >>> dq, dk, dv = pullback(cp.ones_like(out))  # doctest: +SKIP
+    """
+    import cupy
+
+    reason = declines(spec)
+    if reason is not None:
+        raise ValueError(f"the fused backward cannot run this call: {reason}")
+    det = is_deterministic() if deterministic is None else bool(deterministic)
+    kind = kernel_kind(spec)
+    plan = backward_plan(kind, spec.E, spec.Ev)
+    B, Hq, Hkv, L, S, E, Ev = (spec.batch_size, spec.Hq, spec.Hkv, spec.L, spec.S, spec.E, spec.Ev)
+    if B == 0 or Hq == 0 or L == 0 or S == 0 or E == 0 and Ev == 0:
+        zeros = [
+            cupy.zeros(s, dtype=spec.dtype) for s in (spec.q_shape, spec.k_shape, spec.v_shape)
+        ]
+        return zeros[0], zeros[1], zeros[2], None
+
+    q = _full(spec, query, spec.q_shape, Hq, (L, E))
+    k = _full(spec, key, spec.k_shape, Hkv, (S, E))
+    v = _full(spec, value, spec.v_shape, Hkv, (S, Ev))
+    o = _full(spec, out, spec.out_shape, Hq, (L, Ev))
+    do = cupy.zeros_like(o) if d_out is None else _full(spec, d_out, spec.out_shape, Hq, (L, Ev))
+    acc = cupy.float64 if kind == "float64" else cupy.float32
+    lse_c = _full(spec, lse.astype(acc, copy=False), spec.lse_shape, Hq, (L,))
+    dlse_c = None
+    if d_lse is not None:
+        dlse_c = _full(spec, d_lse.astype(acc, copy=False), spec.lse_shape, Hq, (L,))
+
+    mask = None
+    mask_strides = (0, 0, 0, 0)
+    if attn_mask is not None:
+        mask, *strides = mask_operand(spec, attn_mask, acc)  # as the forward kernels read it
+        mask_strides = tuple(int(x) for x in strides)
+
+
+    st = spec.structure
+    dq, dk, dv = run_kernels(
+        cupy,
+        _cupy_launch,
+        plan,
+        q,
+        k,
+        v,
+        o,
+        do,
+        lse_c,
+        dlse_c,
+        scale=spec.scale,
+        softcap=spec.softcap,
+        diagonal=kernel_diagonal(spec),
+        window=(st.left, st.right),
+        q_lens=_lengths(spec, spec.q_len_g),
+        kv_lens=_lengths(spec, spec.kv_len_g),
+        seed=spec.seed or 0,
+        dropout_p=spec.dropout_p,
+        mask=mask,
+        mask_strides=mask_strides,
+        deterministic=det,
+        alibi=per_head_operand(spec, spec.alibi_slopes, acc),
+    )
+    return (
+        _reduce(spec, dq, spec.q_shape, Hq),
+        _reduce(spec, dk, spec.k_shape, Hkv),
+        _reduce(spec, dv, spec.v_shape, Hkv),
+        None,
+    )

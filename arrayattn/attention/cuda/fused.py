@@ -1,0 +1,250 @@
+"""``implementation="fused"``: FlashAttention-2 forward kernels of ours on CuPy arrays.
+
+What runs in the kernel (``attn_fwd.cu``) and what does not:
+
+* dtypes float16 and bfloat16 (tensor cores, compute capability >= 8.0), float32 and
+  float64 (CUDA cores, any device). Head dims up to 256; ``E`` and ``Ev`` other than
+  32/64/96/128/256 are zero-padded to the next of those (a copy of Q, K, V).
+* causal (both alignments), windows, GQA/MQA (the KV head is indexed, never repeated),
+  ``q_lengths``/``kv_lengths`` (and so ``varlen_attention``, which pads to them), softcap,
+  the seed-defined dropout, ``return_lse``, dense bool and float ``attn_mask`` of any
+  broadcastable shape (read in the kernel through element strides; a float mask is first
+  cast to the kernel's accumulation dtype, a copy of the mask's own, unbroadcast shape).
+* Decode-shaped calls (``L <= 16`` query rows over ``S >= 128`` keys, no mask, no
+  dropout) run the split-KV decode kernels of ``decode.py`` instead of the prefill kernel.
+* ``sinks`` (folded into each row's denominator at the end of the online softmax) and
+  ``alibi_slopes`` (``-slope * |i + offset - j|`` computed per element from indices: no
+  ``L x S`` bias), read as contiguous ``(batch * Hq,)`` arrays in the accumulation dtype.
+* Fallback rule (``declines``): the kernel declines non-CuPy arrays, other dtypes, head
+  dims above 256, 16-bit dtypes on devices older than sm_80, and batch or head counts
+  above 65535 (grid limits). ``implementation="auto"`` then moves on to the next path;
+  ``implementation="fused"`` raises ``ValueError`` with the reason.
+* Layout: the kernels read any strides whose innermost (head-dim) stride is 1 and whose
+  broadcast leading dims flatten to one batch stride (16-byte aligned rows for 16-bit
+  types); anything else is copied to a contiguous array first (K/V broadcast over
+  several leading dims are then materialised along those dims, never along heads).
+
+Backward: :meth:`FusedAttention.backward` runs ``arrayattn/attention/cuda/backward.py`` (the
+backward kernels) when that module exists and does not decline the call, else the
+chunked array-API backward for large score matrices, else the composed one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ..._backend import Array, is_cupy, library_name
+from .. import chunked, composed
+from ..composed import AUTO_CHUNK_BYTES
+from ..dropout import dropout_threshold
+from ..spec import AttentionSpec
+from . import _bridge, _loader, decode
+from . import backward as kernels_backward
+from .operands import (
+    KINDS,
+    compute_capability,
+    kernel_diagonal,
+    kernel_kind,
+    lengths_operand,
+    mask_operand,
+    operand,
+    per_head_operand,
+)
+from .tiles import forward_kernel_name, head_dim_bucket, is_heavy, tc_row_tiles, tile_config
+
+__all__ = ["FusedAttention", "FUSED", "declines", "auto_declines"]
+
+_GRID_YZ_MAX = 65535
+_LOG2E = 1.0 / math.log(2.0)
+
+POISON_OUTPUTS = False
+"""Testing aid: when True, output buffers are filled with NaN before each launch, so a
+row or column the kernel fails to write shows up in the result."""
+
+
+def auto_declines(spec: AttentionSpec) -> str | None:
+    """What ``implementation="auto"`` adds: CuPy arrays only. PyTorch CUDA tensors and JAX
+    GPU arrays reach the kernels (through DLPack) when ``implementation="fused"`` is
+    named; ``"auto"`` keeps them on the array-API paths until that route has run on a
+    GPU."""
+    if not is_cupy(spec.xp):
+        return f"{library_name(spec.xp)} arrays reach the fused kernels only when named"
+    return None
+
+
+def declines(spec: AttentionSpec) -> str | None:
+    """``None`` when the fused forward kernel runs this call, else the reason it does not
+    (used by ``implementation="auto"`` to fall back and by ``"fused"`` for its error)."""
+    if not is_cupy(spec.xp):
+        reason = _bridge.declines(spec)
+        if reason is not None:
+            return reason
+    kind = kernel_kind(spec)
+    if kind is None:
+        return f"no fused kernel for dtype {spec.dtype}; expected one of {KINDS}"
+    if spec.E == 0 or spec.Ev == 0:
+        return f"head dims must be positive, got E={spec.E}, Ev={spec.Ev}"
+    if head_dim_bucket(spec.E, spec.Ev) is None:
+        return f"head dims E={spec.E}, Ev={spec.Ev} exceed the kernels' maximum of 256"
+    if spec.dropout_p > 0 and (spec.batch_ids or spec.head0 or spec.row0 or spec.col0):
+        return "the kernels hash dropout at local positions; this is a block of a larger call"
+    if spec.batch_size > _GRID_YZ_MAX or spec.Hq > _GRID_YZ_MAX:
+        return (
+            f"batch size {spec.batch_size} or head count {spec.Hq} exceeds the grid "
+            f"limit {_GRID_YZ_MAX}"
+        )
+    if kernel_diagonal(spec) is None:
+        return "this block's per-sequence diagonal offsets are not its kv_len - q_len"
+    if kind in ("float16", "bfloat16"):
+        cc = compute_capability(spec)
+        if cc < 80:
+            return (
+                f"{kind} kernels need compute capability >= 8.0 (mma.sync bf16/f16, "
+                f"cp.async, ldmatrix); this device has {cc / 10:.1f}"
+            )
+    return None
+
+
+# -- the implementation ---------------------------------------------------------------------
+class FusedAttention:
+    """Forward through ``attn_fwd.cu``; backward through the backward kernels when present.
+
+    Example (needs CuPy and a GPU)::
+
+        >>> import cupy as cp, arrayattn as aa  # doctest: +SKIP
+        >>> q = cp.random.standard_normal((2, 8, 1000, 128)).astype(cp.float16)  # doctest: +SKIP
+        >>> out = aa.scaled_dot_product_attention(  # doctest: +SKIP
+        ...     q, q, q, is_causal=True, implementation="fused"
+        ... )
+    """
+
+    def forward(
+        self, spec: AttentionSpec, query: Array, key: Array, value: Array, attn_mask: Array | None
+    ) -> tuple[Array, Array]:
+        """Output (user layout, input dtype) and LSE (float32, float64 for float64), on
+        the inputs' device."""
+        import cupy
+
+        if not is_cupy(spec.xp):
+            if _bridge.bridge_for(spec, query, key, value) is not None:  # PyTorch / JAX GPU
+                return _bridge.forward(self, spec, query, key, value, attn_mask)
+        dev = getattr(spec.device, "id", None)
+        if dev is None:
+            return self._forward(spec, query, key, value, attn_mask)
+        with cupy.cuda.Device(dev):
+            return self._forward(spec, query, key, value, attn_mask)
+
+    def _forward(
+        self, spec: AttentionSpec, query: Array, key: Array, value: Array, attn_mask: Array | None
+    ) -> tuple[Array, Array]:
+        import cupy
+
+        kind = kernel_kind(spec)
+        d = head_dim_bucket(spec.E, spec.Ev)
+        f64 = kind == "float64"
+        acc = np.float64 if f64 else np.float32
+        lse_dtype = cupy.float64 if f64 else cupy.float32
+        B, Hq, L, S = spec.batch_size, spec.Hq, spec.L, spec.S
+        if B == 0 or Hq == 0 or L == 0 or S == 0:  # S = 0: every row is empty
+            out = cupy.zeros(spec.out_shape, dtype=spec.dtype)
+            lse = cupy.full(spec.lse_shape, -np.inf, dtype=lse_dtype)
+            if spec.sinks is not None and B * Hq * L > 0:  # no key: LSE = the sink
+                sink = per_head_operand(spec, spec.sinks, lse_dtype)
+                lse = cupy.broadcast_to(sink.reshape(spec.lead + (Hq, 1)), spec.lead + (Hq, L))
+                lse = cupy.ascontiguousarray(lse).reshape(spec.lse_shape)
+            return out, lse
+
+        if decode.declines(spec, attn_mask is not None) is None:
+            return decode.forward(spec, query, key, value, poison=POISON_OUTPUTS)
+
+        softcap = spec.softcap is not None
+        dropout = spec.dropout_p > 0.0
+        mask_kind = 0 if attn_mask is None else (1 if spec.mask_kind == "bool" else 2)
+        tc = kind in ("float16", "bfloat16")
+        mt = tc_row_tiles(d, is_heavy(softcap, dropout, mask_kind)) if tc else None
+        cfg = tile_config(kind, d, mt)
+        q, q_sb, q_sh, q_sr = operand(spec, query, d, tc)
+        k, k_sb, k_sh, k_sr = operand(spec, key, d, tc)
+        v, v_sb, v_sh, v_sr = operand(spec, value, d, tc)
+
+        out = cupy.empty((B, Hq, L, d), dtype=q.dtype)
+        lse = cupy.empty((B, Hq, L), dtype=lse_dtype)
+        if POISON_OUTPUTS:
+            out.fill(np.nan if out.dtype.kind == "f" else -1)  # -1: the bits of a bf16 NaN
+            lse.fill(np.nan)
+        null = np.uint64(0)
+        mask_arr: Any = null
+        m_st = (0, 0, 0, 0)
+        if attn_mask is not None:
+            mask_arr, *m_st = mask_operand(spec, attn_mask, acc)
+        sinks = per_head_operand(spec, spec.sinks, acc)
+        alibi = per_head_operand(spec, spec.alibi_slopes, acc)
+        q_lens = lengths_operand(spec, "q_len_g")
+        kv_lens = lengths_operand(spec, "kv_len_g")
+
+        st = spec.structure
+        diag = kernel_diagonal(spec)
+        assert diag is not None  # declines() refused the call otherwise
+        name = forward_kernel_name(kind, d, softcap, dropout, mask_kind, mt)
+        kernel = _loader.get_kernel("attn_fwd.cu", name, cfg.smem_bytes)
+
+        i64 = np.int64
+        cap = spec.softcap if softcap else 1.0
+        args = (
+            q, k, v, out, lse, mask_arr,
+            null if q_lens is None else q_lens,
+            null if kv_lens is None else kv_lens,
+            null, null,  # cu_q, cu_k: packed varlen reaches us padded (ops/varlen.py)
+            i64(q_sb), i64(q_sh), i64(q_sr),
+            i64(k_sb), i64(k_sh), i64(k_sr),
+            i64(v_sb), i64(v_sh), i64(v_sr),
+            i64(Hq * L * d), i64(L * d), i64(d),
+            i64(Hq * L), i64(L),
+            *(i64(s) for s in m_st),
+            np.int32(L), np.int32(S), np.int32(spec.G), np.int32(diag),
+            np.int32(st.left), np.int32(st.right),
+            acc(spec.scale * _LOG2E), acc(spec.scale), acc(cap), acc(1.0 / cap),
+            np.uint32(spec.seed if dropout else 0),
+            np.uint32(dropout_threshold(spec.dropout_p) if dropout else 0),
+            acc(1.0 / (1.0 - spec.dropout_p)),
+            null if sinks is None else sinks,
+            null if alibi is None else alibi,
+        )  # fmt: skip
+        grid = ((L + cfg.block_m - 1) // cfg.block_m, Hq, B)
+        kernel(grid, (cfg.threads,), args, shared_mem=cfg.smem_bytes)
+
+        if d != spec.Ev:
+            out = out[..., : spec.Ev]
+        out = cupy.ascontiguousarray(out).reshape(spec.out_shape)
+        return out, lse.reshape(spec.lse_shape)
+
+    def backward(
+        self,
+        spec: AttentionSpec,
+        query: Array,
+        key: Array,
+        value: Array,
+        attn_mask: Array | None,
+        out: Array,
+        lse: Array,
+        d_out: Array | None,
+        d_lse: Array | None,
+    ) -> tuple[Array, Array, Array, Array | None]:
+        """The backward kernels (``backward.py``) where they take the call, else the
+        array-API backward on the saved LSE (chunked for large score matrices); PyTorch and
+        JAX GPU arrays through the DLPack bridge (``_bridge.py``)."""
+        args = (spec, query, key, value, attn_mask, out, lse, d_out, d_lse)
+        if not is_cupy(spec.xp):
+            if _bridge.bridge_for(spec, query, key, value) is not None:  # PyTorch / JAX GPU
+                return _bridge.backward(*args)
+        if kernels_backward.declines(spec) is None:
+            return kernels_backward.backward(*args)
+        if chunked.score_matrix_bytes(spec) > AUTO_CHUNK_BYTES:
+            return chunked.backward(*args)
+        return composed.backward(*args)
+
+
+FUSED = FusedAttention()
