@@ -6,14 +6,17 @@ array-api-compat); every op has a hand-written backward reachable through :func:
 
 from . import nn
 from ._autodiff import differentiable_ops, vjp
+from ._backend import array_namespace, device
 from .ops import (
     ROPE_TYPES,
     apply_rope,
     attention_weights,
+    cross_entropy,
     dropout_mask,
     grid_positions,
     implementations,
     layer_norm,
+    log_softmax,
     merge_attention_states,
     merge_heads,
     mrope_frequencies,
@@ -34,6 +37,8 @@ from .ops import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "array_namespace",
+    "device",
     "scaled_dot_product_attention",
     "varlen_attention",
     "merge_attention_states",
@@ -56,6 +61,8 @@ __all__ = [
     "sinusoidal_embedding",
     "rms_norm",
     "layer_norm",
+    "log_softmax",
+    "cross_entropy",
     "vjp",
     "differentiable_ops",
     "nn",

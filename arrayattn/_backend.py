@@ -210,6 +210,45 @@ def resolve_namespace(xp: ModuleType | Namespace | None) -> Namespace:
     raise TypeError(f"xp must be an array-API namespace such as numpy or cupy, got {xp!r}")
 
 
+def array_namespace(*arrays_or_library: Any) -> Namespace:
+    """The array-API namespace arrayattn uses for some arrays, or for a library.
+
+    Given arrays (NumPy, CuPy, PyTorch, JAX, array-api-strict, Dask, ...), their common
+    namespace, as ``array_api_compat.array_namespace`` gives it; arrays of different
+    libraries or devices are a ``TypeError`` naming them. Given one library module
+    (``numpy``, ``cupy``, ``torch``, ``jax.numpy``, ``array_api_strict``, ``dask.array``)
+    or ``None`` (NumPy), that library's namespace: what ``xp=`` arguments accept.
+
+    Examples:
+        >>> import numpy as np
+        >>> import arrayattn as aa
+        >>> xp = aa.array_namespace(np)            # a library
+        >>> xp.asarray([1.0, 2.0]).dtype
+        dtype('float64')
+        >>> aa.array_namespace(np.ones(2), np.zeros(3)) is xp   # arrays
+        True
+    """
+    if not arrays_or_library:
+        raise TypeError("array_namespace needs arrays or one library module, got nothing")
+    if len(arrays_or_library) == 1 and not array_api_compat.is_array_api_obj(
+        arrays_or_library[0]
+    ):
+        return resolve_namespace(arrays_or_library[0])
+    return namespace_of(**{f"arrays[{i}]": x for i, x in enumerate(arrays_or_library)})
+
+
+def device(x: Array) -> Any:
+    """The device of array ``x`` (``array_api_compat.device``), for ``device=`` arguments.
+
+    Examples:
+        >>> import numpy as np
+        >>> import arrayattn as aa
+        >>> aa.device(np.ones(2))
+        'cpu'
+    """
+    return device_of(x)
+
+
 def _numpy_probe() -> Array:
     import numpy
 

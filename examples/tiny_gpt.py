@@ -3,10 +3,12 @@ with a KV cache.
 
 Character-level model on ``examples/data/sonnets.txt``: token embedding, ``n_layers`` x
 (RMSNorm -> GQA ``MultiHeadAttention`` with RoPE -> residual, RMSNorm -> SwiGLU MLP ->
-residual), final RMSNorm, a head tied to the embedding (or not). The loss's gradient is
-the model-level backward composed by hand from the ops' pullbacks (``arrayattn.vjp`` on
-``embedding``, ``rms_norm``, ``linear``, ``silu`` and ``MultiHeadAttention.vjp``); the
-optimiser is AdamW written with array-API operations. Generation appends one token at a
+residual), final RMSNorm, a head tied to the embedding (or not), trained on
+``arrayattn.cross_entropy``. The layers are ``arrayattn.nn``'s (``Embedding``,
+``RMSNorm``, ``MultiHeadAttention``, ``MLP``, ``Linear``) over one flat dict of
+parameters with Hugging Face LLaMA names; the loss's gradient is the model-level
+backward composed by hand from their ``vjp`` pullbacks and the loss's; the optimiser is
+AdamW written with array-API operations. Generation appends one token at a
 time to per-layer KV caches and checks, at every step, that the cached logits equal a full
 recomputation over the whole sequence.
 
@@ -34,10 +36,8 @@ from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from arrayattn import vjp  # noqa: E402
-from arrayattn._backend import resolve_namespace  # noqa: E402
-from arrayattn.nn import MultiHeadAttention, embedding, linear, silu  # noqa: E402
-from arrayattn.ops import rms_norm  # noqa: E402
+import arrayattn as aa  # noqa: E402
+from arrayattn.nn import MLP, Embedding, Linear, MultiHeadAttention, RMSNorm  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "sonnets.txt"
 
@@ -71,6 +71,23 @@ class GPTConfig:
             implementation=self.implementation,
         )
 
+    @property
+    def embed(self) -> Embedding:
+        return Embedding(self.vocab_size, self.dim)
+
+    @property
+    def norm(self) -> RMSNorm:
+        return RMSNorm(self.dim, eps=self.norm_eps)
+
+    @property
+    def mlp(self) -> MLP:
+        """LLaMA's SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``, no biases."""
+        return MLP(self.dim, self.ffn_dim, activation="silu", gated=True, bias=False)
+
+    @property
+    def head(self) -> Linear:
+        return Linear(self.dim, self.vocab_size, bias=False)
+
 
 # -- data ------------------------------------------------------------------------------
 class CharTokenizer:
@@ -98,8 +115,9 @@ def batches(data: np.ndarray, batch_size: int, seq_len: int, rng: np.random.Gene
 # -- parameters -----------------------------------------------------------------------
 def init_params(cfg: GPTConfig, *, seed: int, xp: Any, device: Any = None) -> dict[str, Any]:
     """Parameters under Hugging Face LLaMA names (``model.layers.0.self_attn.q_proj.weight``
-    ...), float32, on ``xp``/``device``."""
-    ns = resolve_namespace(xp)
+    ...), float32, on ``xp``/``device``: GPT-2's normal init (not ``init``'s PyTorch
+    defaults), norm weights one."""
+    ns = aa.array_namespace(xp)
     rng = np.random.default_rng(seed)
 
     def normal(shape: tuple[int, ...], std: float) -> Any:
@@ -128,13 +146,14 @@ def init_params(cfg: GPTConfig, *, seed: int, xp: Any, device: Any = None) -> di
     return params
 
 
-def attention_params(params: dict[str, Any], layer: int) -> dict[str, Any]:
-    prefix = f"model.layers.{layer}.self_attn."
+def subtree(params: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The parameters under ``prefix``, without it: one layer's dict."""
     return {k[len(prefix) :]: v for k, v in params.items() if k.startswith(prefix)}
 
 
 # -- forward and backward ---------------------------------------------------------------
-Pullback = Callable[..., tuple[Any, ...]]
+# The tape: tag -> (parameter prefix, the layer's pullback)
+Tape = dict[str, tuple[str, Callable[[Any], Any]]]
 
 
 def forward(
@@ -144,98 +163,62 @@ def forward(
     *,
     caches: list | None = None,
     record: bool = False,
-) -> tuple[Any, list[tuple[str, Any]]]:
+) -> tuple[Any, Tape]:
     """Logits ``(B, T, vocab)`` for ids ``(B, T)``. With ``caches`` (one ``KVCache`` per
     layer) the ids are the next tokens after those cached. With ``record`` the second
     result is the tape of pullbacks that :func:`backward` walks in reverse."""
-    tape: list[tuple[str, Any]] = []
+    tape: Tape = {}
 
-    def call(tag: str, op: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    def call(tag: str, prefix: str, layer: Any, x: Any, **kw: Any) -> Any:
+        p = subtree(params, prefix)
         if not record:
-            return op(*args, **kw)
-        out, pb = vjp(op, *args, **kw)
-        tape.append((tag, pb))
+            return layer(p, x, **kw)
+        out, pullback = layer.vjp(p, x)
+        tape[tag] = (prefix, pullback)
         return out
 
-    attn = cfg.attention
-    head = params["model.embed_tokens.weight"] if cfg.tied else params["lm_head.weight"]
-    x = call("embed", embedding, ids, params["model.embed_tokens.weight"])
+    x = call("embed", "model.embed_tokens.", cfg.embed, ids)
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
-        h = call(f"{i}.norm1", rms_norm, x, params[p + "input_layernorm.weight"], cfg.norm_eps)
-        ap = attention_params(params, i)
-        if record:
-            a, pb = attn.vjp(ap, h)
-            tape.append((f"{i}.attn", pb))
-        else:
-            a = attn(ap, h, cache=None if caches is None else caches[i])
-        x = x + a
-        h = call(
-            f"{i}.norm2", rms_norm, x, params[p + "post_attention_layernorm.weight"], cfg.norm_eps
-        )
-        gate = call(f"{i}.gate", linear, h, params[p + "mlp.gate_proj.weight"])
-        up = call(f"{i}.up", linear, h, params[p + "mlp.up_proj.weight"])
-        act = call(f"{i}.silu", silu, gate)
-        if record:
-            tape.append((f"{i}.swiglu", (act, up)))  # product rule needs both factors
-        x = x + call(f"{i}.down", linear, act * up, params[p + "mlp.down_proj.weight"])
-    x = call("final_norm", rms_norm, x, params["model.norm.weight"], cfg.norm_eps)
-    logits = call("head", linear, x, head)
+        cache = {} if caches is None else {"cache": caches[i]}
+        h = call(f"{i}.norm1", p + "input_layernorm.", cfg.norm, x)
+        x = x + call(f"{i}.attn", p + "self_attn.", cfg.attention, h, **cache)
+        h = call(f"{i}.norm2", p + "post_attention_layernorm.", cfg.norm, x)
+        x = x + call(f"{i}.mlp", p + "mlp.", cfg.mlp, h)
+    x = call("final_norm", "model.norm.", cfg.norm, x)
+    # tied: the head's weight is the embedding's (its gradient adds to the lookup's)
+    logits = call("head", "model.embed_tokens." if cfg.tied else "lm_head.", cfg.head, x)
     return logits, tape
 
 
-def backward(tape: list[tuple[str, Any]], cfg: GPTConfig, d_logits: Any) -> dict[str, Any]:
+def backward(tape: Tape, cfg: GPTConfig, d_logits: Any) -> dict[str, Any]:
     """The gradient of every parameter from the forward tape and ``d loss / d logits``:
-    the forward, read bottom-up, with each op replaced by its pullback."""
-    pb = dict(tape)
+    the forward, read bottom-up, with each layer replaced by its pullback; cotangents add
+    at the residuals and at the tied embedding."""
     grads: dict[str, Any] = {}
 
-    def add(name: str, g: Any) -> None:
-        grads[name] = g if name not in grads else grads[name] + g
+    def back(tag: str, d_out: Any) -> Any:
+        prefix, pullback = tape[tag]
+        cot = pullback(d_out)  # (dx, dparams), or MultiHeadAttention's (dx, dcontext, dparams)
+        for name, g in cot[-1].items():
+            key = prefix + name
+            grads[key] = g if key not in grads else grads[key] + g
+        return cot[0]
 
-    dx, d_head = pb["head"](d_logits)[:2]
-    add("model.embed_tokens.weight" if cfg.tied else "lm_head.weight", d_head)
-    dx, dw = pb["final_norm"](dx)[:2]
-    add("model.norm.weight", dw)
+    dx = back("final_norm", back("head", d_logits))
     for i in reversed(range(cfg.n_layers)):
-        p = f"model.layers.{i}."
-        act, up = pb[f"{i}.swiglu"]
-        d_prod, dw = pb[f"{i}.down"](dx)[:2]  # dx flows on through the residual
-        add(p + "mlp.down_proj.weight", dw)
-        (d_gate,) = pb[f"{i}.silu"](d_prod * up)
-        dh, dw = pb[f"{i}.up"](d_prod * act)[:2]
-        add(p + "mlp.up_proj.weight", dw)
-        dh_gate, dw = pb[f"{i}.gate"](d_gate)[:2]
-        add(p + "mlp.gate_proj.weight", dw)
-        d_res, dw = pb[f"{i}.norm2"](dh + dh_gate)[:2]
-        add(p + "post_attention_layernorm.weight", dw)
-        dx = dx + d_res
-        dh, _, d_attn = pb[f"{i}.attn"](dx)
-        for name, g in d_attn.items():
-            add(p + "self_attn." + name, g)
-        d_res, dw = pb[f"{i}.norm1"](dh)[:2]
-        add(p + "input_layernorm.weight", dw)
-        dx = dx + d_res
-    _, d_embed = pb["embed"](dx)
-    add("model.embed_tokens.weight", d_embed)
+        dx = dx + back(f"{i}.norm2", back(f"{i}.mlp", dx))
+        dx = dx + back(f"{i}.norm1", back(f"{i}.attn", dx))
+    back("embed", dx)
     return grads
 
 
-def cross_entropy(xp: Any, logits: Any, targets: Any) -> tuple[Any, Any]:
-    """Mean token cross-entropy and its gradient w.r.t. the logits."""
-    V = int(logits.shape[-1])
-    n = math.prod(int(d) for d in targets.shape)
-    m = xp.max(logits, axis=-1, keepdims=True)
-    e = xp.exp(logits - m)
-    total = xp.sum(e, axis=-1, keepdims=True)
-    one_hot = xp.astype(
-        xp.expand_dims(targets, axis=-1)
-        == xp.arange(V, dtype=targets.dtype, device=_device(logits)),
-        logits.dtype,
-    )
-    picked = xp.sum(logits * one_hot, axis=-1, keepdims=True)
-    loss = xp.sum(m + xp.log(total) - picked) / n
-    return loss, (e / total - one_hot) / n
+def loss_and_grad(logits: Any, targets: Any) -> tuple[Any, Any]:
+    """Mean token cross-entropy (``arrayattn.cross_entropy``) and its gradient w.r.t. the
+    logits."""
+    loss, pullback = aa.vjp(aa.cross_entropy, logits, targets)
+    d_logits, _ = pullback(aa.array_namespace(loss).ones_like(loss))
+    return loss, d_logits
 
 
 # -- optimiser ----------------------------------------------------------------------------
@@ -292,7 +275,7 @@ def train(
     log: Callable[[str], None] = print,
 ) -> tuple[dict[str, Any], list[float]]:
     """``steps`` AdamW steps on random windows; returns the new params and the losses."""
-    ns = resolve_namespace(xp)
+    ns = aa.array_namespace(xp)
     opt = AdamW(params, lr=lr)
     losses = []
     start = time.perf_counter()
@@ -302,7 +285,7 @@ def train(
         ids = ns.asarray(inputs, device=device)
         tgt = ns.asarray(targets, device=device)
         logits, tape = forward(params, cfg, ids, record=True)
-        loss, d_logits = cross_entropy(ns, logits, tgt)
+        loss, d_logits = loss_and_grad(logits, tgt)
         grads = backward(tape, cfg, d_logits)
         params = opt.step(ns, params, grads)
         losses.append(float(to_numpy(loss)))
@@ -326,7 +309,7 @@ def generate(
     """Sample ``new_tokens`` after ``prompt`` with per-layer KV caches. With ``check``,
     every step's cached logits are compared with a full forward over the whole sequence;
     returns the ids and the largest absolute difference seen (asserted small)."""
-    ns = resolve_namespace(xp)
+    ns = aa.array_namespace(xp)
     rng = np.random.default_rng(seed)
     total = len(prompt) + new_tokens
     caches = [cfg.attention.new_cache(1, total, xp=ns, device=device) for _ in range(cfg.n_layers)]
@@ -362,12 +345,6 @@ def to_numpy(x: Any) -> np.ndarray:
         import array_api_strict
 
         return np.asarray(array_api_strict.asarray(x, device=array_api_strict.Device("CPU_DEVICE")))
-
-
-def _device(x: Any) -> Any:
-    from arrayattn._backend import device_of
-
-    return device_of(x)
 
 
 def _library(name: str) -> tuple[Any, Any]:

@@ -51,7 +51,6 @@ import numpy as np  # noqa: E402
 
 import arrayattn as aa  # noqa: E402
 from arrayattn import vjp  # noqa: E402
-from arrayattn._backend import device_of, namespace_of, resolve_namespace  # noqa: E402
 from arrayattn.nn import gelu, linear, silu  # noqa: E402
 
 Params = dict[str, Any]
@@ -131,7 +130,7 @@ class WanBlock:
 
     def init(self, *, seed: int, xp: Any = None, device: Any = None, dtype: Any = None) -> Params:
         """Random parameters (weights ~ N(0, 1/fan_in), norm weights near 1, biases small)."""
-        ns = resolve_namespace(xp)
+        ns = aa.array_namespace(xp)
         rng = np.random.default_rng(seed)
         out: Params = {}
         for name, shape in self.param_shapes().items():
@@ -220,8 +219,8 @@ class WanBlock:
         return xp.expand_dims(freqs, axis=1), seq_lens
 
     def _forward(self, tape, p, x, t, context, context_img, grid):
-        xp = namespace_of(x=x)
-        device = device_of(x)
+        xp = aa.array_namespace(x)
+        device = aa.device(x)
         B, L, D = (int(s) for s in x.shape)
         if (context_img is None) == self.image_context:
             raise ValueError(
@@ -330,7 +329,7 @@ class WanBlock:
         return d_x, d_sources
 
     def _backward(self, tape, s, p, d_out):
-        xp = namespace_of(d_out=d_out)
+        xp = aa.array_namespace(d_out)
         m = s["m"]
         grads: Params = {}
         d_m: list[Any] = [None] * 6
@@ -403,7 +402,7 @@ def random_inputs(
 ) -> tuple[Any, Any, Any, Any]:
     """``(x, t, context, context_img)`` drawn with NumPy and moved to ``xp``
     (``context_img`` is ``None`` for a T2V block)."""
-    ns = resolve_namespace(xp)
+    ns = aa.array_namespace(xp)
     rng = np.random.default_rng(seed)
     dt = ns.float32 if dtype is None else dtype
     shared = len(grid) == 3 and all(isinstance(g, int) for g in grid)

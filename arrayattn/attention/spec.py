@@ -10,6 +10,7 @@ import dataclasses
 import math
 import numbers
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from .._backend import (
     broadcast_shapes,
     compute_dtype,
     device_of,
+    is_lazy,
     is_real_floating,
     known_shape,
     namespace_of,
@@ -296,6 +298,8 @@ def make_spec(
     S, Ev = v_shape[-2:]
     lead, Hq, Hkv, G = _heads(q_shape, k_shape, v_shape, enable_gqa)
     mask_kind, mask_shape = _mask(xp, attn_mask, lead + (Hq, L, S))
+    if mask_kind == "float":
+        _warn_on_zero_one_mask(xp, attn_mask)
 
     # NumPy's bool scalar (type name "bool" in NumPy 2, "bool_" before) is no Python int.
     if not isinstance(is_causal, (bool, int)) and type(is_causal).__name__ not in ("bool", "bool_"):
@@ -410,14 +414,57 @@ def _heads(q_shape: Shape, k_shape: Shape, v_shape: Shape, enable_gqa: bool) -> 
             raise ValueError(
                 f"query heads {Hq} must be a multiple of key/value heads {Hk} for GQA "
                 f"(Hq % Hkv == 0); got query {q_shape}, key {k_shape}"
+                + _swapped_layout_hint(pq, pk)
             )
         return lead, Hq, Hk, Hq // Hk
     if Hk not in (1, Hq) and Hq != 1:
+        hint = _swapped_layout_hint(pq, pk)
         raise ValueError(
-            f"query has {Hq} heads but key/value have {Hk}; pass enable_gqa=True for "
-            f"grouped-query attention, or give equal head counts"
-        )
+            f"query has {Hq} heads but key/value have {Hk}"
+            + (hint or "; pass enable_gqa=True for grouped-query attention, or give equal "
+               "head counts")
+        )  # fmt: skip
     return lead, max(Hq, Hk), Hk, 1  # plain broadcasting over the head axis, as matmul does
+
+
+def _warn_on_zero_one_mask(xp: Namespace, attn_mask: Array) -> None:
+    """Warn when a float mask holds only 0 and 1 (and some 1): a Hugging Face-style mask
+    (1 = attend) passed as floats, which attention adds to the scores instead of
+    selecting keys. Values are read only where that is free of side effects (not JAX,
+    whose arrays may be traced, nor Dask, whose graph it would compute)."""
+    if is_lazy(xp) or prod(known_shape("attn_mask", attn_mask)) == 0:
+        return
+    zero_one = (attn_mask == 0) | (attn_mask == 1)
+    if bool(xp.all(zero_one)) and bool(xp.any(attn_mask == 1)):
+        warnings.warn(
+            "attn_mask is a float mask holding only 0.0 and 1.0: a float mask is ADDED to "
+            "the scores (a 1 raises a logit by one), it does not select keys. For a "
+            "Hugging Face-style mask (1 = attend) pass a bool mask (attn_mask == 1: True "
+            "takes part), or an additive one (0 to keep, -inf to drop).",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def _swapped_layout_hint(q_shape: Shape, k_shape: Shape) -> str:
+    """A hint when head-count trouble comes from a (batch, sequence, heads, head_dim)
+    layout: the heads axis (-3) then holds the sequence lengths, which do not fit as
+    head counts, while the -2 axis holds head counts that do (equal, or a GQA multiple).
+    ``""`` when the shapes do not suggest it (when L equals the head count nothing can
+    tell)."""
+    if len(q_shape) < 4 or len(k_shape) < 4:
+        return ""
+    hq, hk = q_shape[-2], k_shape[-2]
+    if hq < 1 or hk < 1 or hq % hk:
+        return ""
+    if k_shape[-3] >= 1 and q_shape[-3] % k_shape[-3] == 0:
+        return ""  # the heads axis could hold real GQA head counts: no layout to suggest
+    return (
+        f"; the shapes look like (batch, sequence, heads, head_dim) (query sequence "
+        f"{q_shape[-3]}, key sequence {k_shape[-3]}, {hq} and {hk} heads): arrayattn takes "
+        f"(..., heads, sequence, head_dim), PyTorch's layout; swap the two axes first, e.g. "
+        f"xp.permute_dims(x, (0, 2, 1, 3))"
+    )
 
 
 def _mask(xp: Namespace, attn_mask: Array | None, target: Shape) -> tuple[str | None, Shape | None]:

@@ -1,6 +1,7 @@
-"""Layers built on the ops: ``linear``, ``embedding``, activations, ``MultiHeadAttention``
-with a ``KVCache`` (per-sequence lengths) or a ``PagedKVCache``. Parameters are plain dicts
-of arrays with Hugging Face names; every layer's backward is composed from the ops'
+"""Layers built on the ops: ``linear``, ``embedding``, activations, the layers ``Linear``,
+``LayerNorm``, ``RMSNorm``, ``Embedding``, ``MLP``, and ``MultiHeadAttention`` with a
+``KVCache`` (per-sequence lengths) or a ``PagedKVCache``. Parameters are plain dicts of
+arrays with Hugging Face names; every layer's backward is composed from the ops'
 hand-written pullbacks."""
 
 from ._cotangents import Cotangents
@@ -8,6 +9,7 @@ from .activations import erf, gelu, silu
 from .attention import MultiHeadAttention
 from .embedding import embedding
 from .kv_cache import KVCache
+from .layers import MLP, Embedding, LayerCotangents, LayerNorm, Linear, RMSNorm
 from .linear import linear
 from .paged_kv_cache import PagedKVCache
 
@@ -17,6 +19,12 @@ __all__ = [
     "erf",
     "gelu",
     "silu",
+    "Linear",
+    "LayerNorm",
+    "RMSNorm",
+    "Embedding",
+    "MLP",
+    "LayerCotangents",
     "MultiHeadAttention",
     "Cotangents",
     "KVCache",

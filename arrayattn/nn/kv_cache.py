@@ -12,6 +12,7 @@ masks each row's unfilled tail through ``kv_lengths`` (no dense mask).
 from __future__ import annotations
 
 import numbers
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -294,7 +295,9 @@ class KVCache:
             ...
             ValueError: KV cache overflow in sequence 0: 7 cached + 2 new tokens > its ...
         """
-        n = host_lengths("lengths", new_lengths, self.batch_size, self._max_length)
+        # Counts past the capacity are reported below, naming the cache (the caller may
+        # never have passed "lengths": a prompt longer than the cache, say).
+        n = host_lengths("lengths", new_lengths, self.batch_size, sys.maxsize)
         for b, (held, new) in enumerate(zip(self._lengths.tolist(), n, strict=True)):
             if held + new > self._max_length:
                 raise ValueError(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -175,7 +176,8 @@ class PagedKVCache:
             ...
             ValueError: paged KV cache overflow in sequence 1: 0 cached + 1 new tokens need ...
         """
-        n = host_lengths("lengths", new_lengths, self.batch_size, self.capacity)
+        # Counts past the capacity are reported below, naming the cache.
+        n = host_lengths("lengths", new_lengths, self.batch_size, sys.maxsize)
         need = self._pages_needed(n)
         free = len(self.free_pages)
         for b, k in enumerate(need):

@@ -1,6 +1,6 @@
 """The public ops: attention, softmax, heads, RoPE, norms, merge, varlen, sinusoidal
-embeddings (each with a backward rule). Attention's machinery (the spec, the registry,
-the implementations) is :mod:`arrayattn.attention`."""
+embeddings, log-softmax and cross-entropy (each with a backward rule). Attention's
+machinery (the spec, the registry, the implementations) is :mod:`arrayattn.attention`."""
 
 from ..attention.merge import merge_attention_states
 from .attention import (
@@ -11,6 +11,7 @@ from .attention import (
     scaled_dot_product_attention,
 )
 from .heads import merge_heads, repeat_kv, split_heads
+from .losses import cross_entropy, log_softmax
 from .norms import layer_norm, rms_norm
 from .rope import (
     ROPE_TYPES,
@@ -51,4 +52,6 @@ __all__ = [
     "sinusoidal_embedding",
     "rms_norm",
     "layer_norm",
+    "log_softmax",
+    "cross_entropy",
 ]

@@ -6,7 +6,8 @@ defined semantics, on any array backend.
 - :func:`assert_attention_close`: dtype-aware comparison (FlashAttention's rule for
   float16/bfloat16) that names the first NaN/Inf and the errors.
 - :func:`check_attention`: a per-feature conformance battery with shrunk failing
-  examples, for your function or a peer's (:mod:`arrayattn.testing.adapters`).
+  examples, for your function or a peer's (:mod:`arrayattn.testing.adapters`); inputs
+  must stay unchanged, and dropout without a seed is checked statistically.
 - :mod:`arrayattn.testing.strategies` (needs hypothesis): :func:`attention_calls`,
   :func:`shapes`, :func:`masks`.
 - a pytest plugin (entry point ``arrayattn``): an ``xp`` fixture over the installed

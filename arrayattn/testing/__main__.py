@@ -26,7 +26,8 @@ def _adapter(peer: str, backend: str) -> Adapter:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the battery against ``--peer`` and print the report; exit status 0 when
-    nothing failed, 1 on failures, 2 when the peer is not installed."""
+    nothing failed, 1 on failures, 2 when the peer or hypothesis (which draws the calls)
+    is not installed."""
     parser = argparse.ArgumentParser(prog="python -m arrayattn.testing", description=__doc__)
     parser.add_argument("--peer", choices=PEERS, required=True, help="whose attention to check")
     parser.add_argument("--examples", type=int, default=30, help="calls drawn per feature")
@@ -34,6 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--features", default=None, help="comma-separated rows (default: all)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
+    from ._check import require_hypothesis
+
+    try:
+        require_hypothesis()
+    except ModuleNotFoundError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     try:
         adapter = _adapter(args.peer, args.backend)
     except ImportError as exc:

@@ -12,6 +12,7 @@ import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,12 @@ BACKENDS = (
 )
 
 ENV_VAR = "ARRAYATTN_BACKENDS"
+
+# The library modules (and array-api-compat's wrappers of them) that name a backend.
+LIBRARY_MODULES = (
+    "numpy, cupy, torch, jax.numpy, array_api_strict, dask.array, or array-api-compat's "
+    "wrapper of one such as array_api_compat.numpy"
+)
 
 
 @dataclass(frozen=True)
@@ -131,18 +138,64 @@ def _jit_arrays(fn: Any, args: tuple) -> Any:
     return jax.jit(inner)(*(args[i] for i in dynamic))
 
 
-def make_backend(name: str) -> Backend:
-    """The :class:`Backend` called ``name``.
+def backend_name_of(library: Any) -> str | None:
+    """The :data:`BACKENDS` name of an array library's module or array-API namespace
+    (``numpy``, ``array_api_compat.numpy``, ``torch``, ``jax.numpy``, ...), or ``None``
+    when it is none of them.
+
+    Examples:
+        >>> import numpy as np
+        >>> from arrayattn.testing._backends import backend_name_of
+        >>> backend_name_of(np), backend_name_of(np.linalg)
+        ('numpy', None)
+    """
+    import array_api_compat as compat
+
+    if not isinstance(getattr(library, "__name__", None), str):  # not a module
+        return None
+    recognisers = (
+        ("numpy", compat.is_numpy_namespace),
+        ("array_api_strict", compat.is_array_api_strict_namespace),
+        ("torch", compat.is_torch_namespace),
+        ("jax", compat.is_jax_namespace),
+        ("dask", compat.is_dask_namespace),
+        ("cupy", compat.is_cupy_namespace),
+    )
+    for name, is_namespace in recognisers:
+        if is_namespace(library):
+            return name
+    return None
+
+
+def make_backend(name: str | ModuleType | Backend) -> Backend:
+    """The :class:`Backend` called ``name``, or the one of a library module (``numpy``,
+    ``torch``, ``jax.numpy``, ``array_api_strict``, ``dask.array``, ``cupy``, and
+    array-api-compat's wrapped namespaces such as ``array_api_compat.numpy``): the
+    ``xp`` of the array-API world. A :class:`Backend` is returned as it is.
 
     Raises:
-        ValueError: ``name`` is not in :data:`BACKENDS`.
+        ValueError: ``name`` is a string not in :data:`BACKENDS`.
+        TypeError: ``name`` is a module (or other object) of no supported library.
         ImportError: the library (or, for CuPy, a CUDA device) is missing.
 
     Examples:
+        >>> import numpy as np
         >>> from arrayattn.testing import make_backend
         >>> make_backend("numpy").device
         'cpu'
+        >>> make_backend(np).name
+        'numpy'
     """
+    if isinstance(name, Backend):
+        return name
+    if not isinstance(name, str):
+        library = name
+        name = backend_name_of(library)
+        if name is None:
+            raise TypeError(
+                f"xp must be a backend name from {BACKENDS} or an array library module "
+                f"({LIBRARY_MODULES}); got {library!r}"
+            )
     if name == "numpy":
         import array_api_compat.numpy as xp
 
@@ -183,7 +236,10 @@ def make_backend(name: str) -> Backend:
         if count < 1:
             raise ImportError("no CUDA device")
         return Backend(name, xp, cupy.cuda.Device(0))
-    raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    raise ValueError(
+        f"backend must be one of {BACKENDS} or an array library module ({LIBRARY_MODULES}); "
+        f"got {name!r}"
+    )
 
 
 def selected_backends(option: str | Sequence[str] | None = None) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -105,23 +106,9 @@ def library_features() -> frozenset[str]:
 
 
 def _as_backend(xp: Any) -> Backend | None:
-    """A Backend from a backend name, a Backend, or an array-API namespace (module)."""
-    if xp is None or isinstance(xp, Backend):
-        return xp
-    if isinstance(xp, str):
-        return make_backend(xp)
-    name = getattr(xp, "__name__", "")
-    for key, backend in (
-        ("array_api_strict", "array_api_strict"),
-        ("torch", "torch"),
-        ("jax", "jax"),
-        ("dask", "dask"),
-        ("cupy", "cupy"),
-        ("numpy", "numpy"),
-    ):
-        if key in name:
-            return make_backend(backend)
-    raise TypeError(f"xp must be a backend name, a Backend or an array-API namespace, got {xp!r}")
+    """A Backend from a backend name, a Backend, or an array library's module (numpy,
+    torch, jax.numpy, ...); ``None`` stays ``None``."""
+    return None if xp is None else make_backend(xp)
 
 
 @dataclass(frozen=True, eq=False)
@@ -185,24 +172,28 @@ class AttentionCall:
             return backend.xp.astype(x, backend.xp.bfloat16)
         return backend.asarray(a.astype(dtype))
 
-    def arrays(self, backend: Backend | str | None = None) -> tuple[Any, Any, Any, Any]:
+    def arrays(
+        self, backend: Backend | str | ModuleType | None = None
+    ) -> tuple[Any, Any, Any, Any]:
         """``(query, key, value, attn_mask)`` in ``dtype`` on ``backend`` (default: the
         call's own, else NumPy); a float mask keeps ``dtype``, a bool mask stays bool."""
         b = _as_backend(backend) or self.backend or make_backend("numpy")
         q, k, v = (self._to(b, x) for x in (self.query, self.key, self.value))
         m = self.attn_mask
         if m is not None:
-            m = b.asarray(m) if m.dtype == np.bool_ else self._to(b, m)
+            # A copy: on NumPy, asarray would hand the function this call's own mask.
+            m = b.asarray(m.copy()) if m.dtype == np.bool_ else self._to(b, m)
         return q, k, v, m
 
-    def kwargs(self, backend: Backend | str | None = None) -> dict[str, Any]:
+    def kwargs(self, backend: Backend | str | ModuleType | None = None) -> dict[str, Any]:
         """``options`` with array values moved to ``backend`` (lengths as int32, sinks
         and slopes in float32, or float64 for float64 calls)."""
         b = _as_backend(backend) or self.backend or make_backend("numpy")
         out = dict(self.options)
         for name in ("q_lengths", "kv_lengths"):
             if out.get(name) is not None:
-                out[name] = b.asarray(np.asarray(out[name], dtype=np.int32))
+                # np.array copies: the function must not get this call's own lengths.
+                out[name] = b.asarray(np.array(out[name], dtype=np.int32))
         side = "float64" if self.dtype == "float64" else "float32"
         for name in ("sinks", "alibi_slopes"):
             if out.get(name) is not None:

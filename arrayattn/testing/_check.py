@@ -7,18 +7,28 @@ import dataclasses
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from ._backends import Backend, make_backend
 from ._calls import FEATURE_DOCS, FEATURES, AttentionCall
-from ._compare import assert_attention_close, naive_attention
+from ._compare import assert_attention_close, dtype_name, naive_attention
+from ._dropout import check_dropout_without_seed, preferred_dtype
+from ._watch import watch
 from .adapters import Adapter, NotExpressible, for_function
 
 __all__ = ["check_attention", "check_call", "ConformanceReport", "FeatureResult"]
 
 PASSED, FAILED, UNSUPPORTED, CONVENTION = "passed", "failed", "not supported", "convention"
+# A supported feature none of whose drawn calls could be used (not expressible by the
+# adapter, or left out under a convention): no evidence either way, unlike UNSUPPORTED.
+NO_EXAMPLES = "no examples kept"
+# Dropout of a function that takes no seed, when not even the seedless checks can run.
+NOT_CHECKABLE = "not checkable"
+STATUSES = (PASSED, FAILED, UNSUPPORTED, CONVENTION, NO_EXAMPLES, NOT_CHECKABLE)
+KIT_INSTALL_HINT = "pip install 'arrayattn[kit]' (from a checkout: pip install -e '.[kit]')"
 EMPTY_ROW_MECHANISMS = ("bool_mask", "float_mask", "lengths", "causal_bottom_right")
 # Options a gradient check exercises besides plain attention (where supported).
 GRADIENT_OPTIONS = (
@@ -38,12 +48,15 @@ class FeatureResult:
     """One row of a :class:`ConformanceReport`."""
 
     feature: str
-    status: str  # "passed", "failed", "not supported" or "convention"
+    status: str  # one of STATUSES
     detail: str = ""
     example: dict[str, Any] | None = None  # the minimal failing call, when failed
     examples_run: int = 0
     skipped: int = 0  # drawn calls the adapter could not express
     left_out: int = 0  # calls with fully masked rows, left out under a convention
+    # Checks of a row not compared with the reference (dropout without a seed):
+    # description -> "passed" / "failed", in the order they ran.
+    checks: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -51,7 +64,11 @@ class ConformanceReport:
     """What :func:`check_attention` found: one :class:`FeatureResult` per feature.
 
     ``str(report)`` (or :meth:`table`) is a fixed-width table; :meth:`to_json` the same
-    as JSON. ``report.ok`` is True when nothing failed.
+    as JSON. ``report.ok`` is True when nothing failed. A row's status is ``"passed"``,
+    ``"failed"``, ``"convention"`` (a documented difference), ``"not supported"`` (the
+    function or backend lacks the feature), ``"no examples kept"`` (supported, but no
+    drawn call could be used) or ``"not checkable"`` (dropout without a seed that not
+    even the statistical checks could run on).
 
     Examples:
         >>> from arrayattn.testing import ConformanceReport, FeatureResult
@@ -94,20 +111,20 @@ class ConformanceReport:
             f"{self.name} on {self.backend} ({', '.join(self.dtypes)}; "
             f"up to {self.examples} examples per feature)"
         )
-        width = max(len(r.feature) for r in self.rows) if self.rows else 7
-        lines = [head, "", f"{'feature':<{width}}  {'status':<13}  detail"]
-        lines.append(f"{'-' * width}  {'-' * 13}  {'-' * 40}")
+        width = max([len("feature")] + [len(r.feature) for r in self.rows])
+        status_width = max([13] + [len(r.status) for r in self.rows])
+        lines = [head, "", f"{'feature':<{width}}  {'status':<{status_width}}  detail"]
+        lines.append(f"{'-' * width}  {'-' * status_width}  {'-' * 40}")
         for r in self.rows:
-            detail = r.detail if r.status != PASSED else f"{r.examples_run} examples checked"
-            if r.status == PASSED and r.skipped:
-                detail += f"; {r.skipped} not expressible, skipped"
-            if r.status == PASSED and r.left_out:
-                detail += f"; {r.left_out} with fully masked rows left out"
-            lines.append(f"{r.feature:<{width}}  {r.status:<13}  {detail}")
+            detail = _passed_detail(r) if r.status == PASSED else r.detail
+            lines.append(f"{r.feature:<{width}}  {r.status:<{status_width}}  {detail}")
         for r in self.rows:
             if r.example is not None:
                 lines += ["", f"[{r.feature}] minimal failing example: {r.example['call']}"]
                 lines.append(f"    {r.example['error']}")
+                if r.checks:
+                    ran = "; ".join(f"{name}: {result}" for name, result in r.checks.items())
+                    lines.append(f"    checks run: {ran}")
         if self.notes:
             lines += ["", "conventions bridged by the adapter (not failures):"]
             lines += [f"  - {n}" for n in self.notes]
@@ -133,15 +150,48 @@ class ConformanceReport:
         return json.dumps(self.to_dict(), **kwargs)
 
 
+def _passed_detail(r: FeatureResult) -> str:
+    """What a passed row checked: its examples (and those skipped or left out), or the
+    seedless checks it ran."""
+    if r.checks:
+        return f"{r.examples_run} calls checked without a seed: {'; '.join(r.checks)}"
+    detail = f"{r.examples_run} examples checked"
+    if r.skipped:
+        detail += f"; {r.skipped} not expressible, skipped"
+    if r.left_out:
+        detail += f"; {r.left_out} with fully masked rows left out"
+    return detail
+
+
 def _lse_dtype(dtype: str) -> str:
     return "float64" if dtype == "float64" else "float32"
+
+
+def require_hypothesis() -> None:
+    """Raise ``ModuleNotFoundError`` saying what to install when hypothesis (which draws
+    the calls of :func:`check_attention`) is missing.
+
+    Examples:
+        >>> from arrayattn.testing._check import require_hypothesis
+        >>> require_hypothesis()  # installed here: nothing happens
+    """
+    try:
+        import hypothesis  # noqa: F401
+    except ImportError as exc:
+        raise ModuleNotFoundError(
+            f"arrayattn.testing's conformance checks need hypothesis, which is not installed "
+            f"here ({exc}). Install what the kit needs with {KIT_INSTALL_HINT}.",
+            name="hypothesis",
+        ) from exc
 
 
 def check_call(adapter: Adapter, backend: Backend, call: AttentionCall) -> None:
     """Run one call through ``adapter`` and compare output, LSE (when the call asks for
     it) and gradients (likewise) with the float64 reference; raises ``AssertionError``
-    on a mismatch, :class:`~arrayattn.testing.adapters.NotExpressible` when the adapter
-    cannot make the call.
+    on a mismatch (also when the function wrote into one of its inputs: query, key,
+    value, mask, lengths, sinks or slopes must be left unchanged),
+    :class:`~arrayattn.testing.adapters.NotExpressible` when the adapter cannot make the
+    call.
 
     Examples:
         >>> from arrayattn.testing import AttentionCall, check_call, make_backend
@@ -151,7 +201,9 @@ def check_call(adapter: Adapter, backend: Backend, call: AttentionCall) -> None:
         >>> check_call(arrayattn_sdpa(), make_backend("numpy"), c)
     """
     want_lse = "lse" in call.features
-    out, lse = adapter.run(call, backend, want_lse)
+    watched = watch(call)
+    out, lse = adapter.run(watched, backend, want_lse)
+    watched.assert_unchanged()
     expected, expected_lse = call.reference()
     baseline = baseline_lse = None
     if call.dtype != "float64":
@@ -182,7 +234,9 @@ def check_call(adapter: Adapter, backend: Backend, call: AttentionCall) -> None:
         from ._compare import round_to_dtype
 
         d_out = round_to_dtype(d_out, call.dtype)
-        got = adapter.vjp(call, backend, d_out)
+        watched = watch(call)
+        got = adapter.vjp(watched, backend, d_out)
+        watched.assert_unchanged()
         ref = call.reference_vjp(d_out)
         for name, g, r in zip(("dq", "dk", "dv"), got, ref[:3], strict=True):
             assert_attention_close(g, r, dtype=call.dtype, what=name)
@@ -212,11 +266,11 @@ def check_attention(
     *,
     layout: str = "BHLD",
     supports: Iterable[str] | None = None,
-    xp: str | Backend = "numpy",
+    xp: str | ModuleType | Backend = "numpy",
     examples: int = 20,
     adapter: Adapter | None = None,
     features: Iterable[str] | None = None,
-    dtypes: Iterable[str] | None = None,
+    dtypes: Iterable[Any] | None = None,
     max_len: int = 8,
 ) -> ConformanceReport:
     """Check an attention function against arrayattn's semantics, feature by feature.
@@ -226,7 +280,15 @@ def check_attention(
     them through the function and compares output, LSE and gradients with the float64
     reference (:func:`~arrayattn.testing.assert_attention_close`'s rules). The first
     failure is shrunk to a minimal call (smallest shapes, fewest options) and reported
-    with its error message.
+    with its error message. After every call the arrays handed to the function must be
+    unchanged: a function that writes into its inputs fails, naming the argument.
+
+    A function that takes ``dropout_p`` but no ``seed`` (PyTorch's signature) draws a
+    random mask: its ``dropout`` row runs statistical checks instead (keep rate,
+    ``1 / (1 - p)`` scaling, ``p = 0``, the mean output, gradients against the mask the
+    output shows; the row's ``checks`` say which ran), and ``combined`` leaves dropout
+    out. A row none of whose drawn calls could be used is ``no examples kept``, not
+    ``not supported`` (a feature the function or backend lacks).
 
     Args:
         fn: the function, with arrayattn's/PyTorch's argument names (see
@@ -234,17 +296,26 @@ def check_attention(
         layout: ``"BHLD"`` or ``"BLHD"`` (``fn``'s query/key/value/output layout).
         supports: features ``fn`` implements (default: from its signature); the
             others are reported as ``not supported``.
-        xp: backend name (or :class:`~arrayattn.testing.Backend`) of ``fn``'s arrays.
+        xp: the library of ``fn``'s arrays: its module (``numpy``, ``torch``,
+            ``jax.numpy``, ``array_api_strict``, ``dask.array``, ``cupy``, or
+            array-api-compat's wrapper of one such as ``array_api_compat.numpy``), a
+            name from :data:`~arrayattn.testing.BACKENDS`, or a
+            :class:`~arrayattn.testing.Backend`.
         examples: calls drawn per feature (CI: a handful; a full report: 50+).
         adapter: a ready-made :class:`~arrayattn.testing.adapters.Adapter` instead of
             ``fn`` (``adapters.torch_sdpa()``, ``adapters.jax_dpa()``,
             ``adapters.flash_attn(flash_attn_func)``, ``adapters.arrayattn_sdpa()``).
         features: only these rows (default: all).
-        dtypes: dtypes drawn (default: the adapter's).
+        dtypes: dtypes drawn (default: the adapter's), as names or any library's dtype
+            objects.
         max_len: largest ``L`` and ``S`` drawn.
 
     Returns:
         A :class:`ConformanceReport` (print it, or ``.to_json()``).
+
+    Raises:
+        ModuleNotFoundError: hypothesis is not installed (the message says what to
+            install).
 
     Examples:
         >>> import arrayattn as aa
@@ -260,15 +331,19 @@ def check_attention(
         adapter = for_function(fn, layout=layout, supports=supports, xp=xp)
     elif supports is not None:  # a copy: the caller's adapter is left as it was
         adapter = dataclasses.replace(adapter, supports=frozenset(supports))
+    require_hypothesis()
     backend = make_backend(adapter.backend)
     supported = adapter.supports
     if adapter.vjp is None:
         supported = supported - {"gradients"}
-    draw_dtypes = tuple(dtypes or adapter.dtypes)
+    draw_dtypes = tuple(dtype_name(d) for d in (dtypes or adapter.dtypes))
     wanted = list(FEATURES if features is None else features)
     unknown = set(wanted) - set(FEATURES)
     if unknown:
         raise ValueError(f"features must be names from FEATURES, got unknown {sorted(unknown)}")
+    seeded = True
+    if "dropout" in supported and {"dropout", "combined"} & set(wanted):
+        seeded = _takes_seed(adapter, backend)
 
     # The empty-rows row runs first: when it fails on a documented convention, calls with
     # empty rows are left out of the other rows (they would only repeat that difference).
@@ -276,17 +351,74 @@ def check_attention(
     skip_empty = False
     results: dict[str, FeatureResult] = {}
     for feature in order:
-        row = _run_row(
-            feature, adapter, backend, supported, draw_dtypes, examples, max_len, skip_empty
-        )
+        if feature == "dropout" and "dropout" in supported and not seeded:
+            row = _seedless_dropout_row(adapter, backend)
+        else:
+            # Without a seed, drawn dropout calls have no exact reference.
+            row_supported = supported if seeded else supported - {"dropout"}
+            row = _run_row(
+                feature, adapter, backend, row_supported, draw_dtypes, examples, max_len, skip_empty
+            )
         results[feature] = row
         if feature == "empty_rows" and row.status == CONVENTION:
             skip_empty = True
     rows = [results[f] for f in wanted]
     notes = list(adapter.notes)
+    if not seeded:
+        notes.append(
+            "the function takes no dropout seed (its mask is random): the dropout row checks "
+            "it statistically, and dropout is left out of the other rows"
+        )
     if skip_empty:
         notes.append("calls with fully masked rows are left out of the other rows (convention)")
     return ConformanceReport(adapter.name, backend.name, rows, notes, draw_dtypes, examples)
+
+
+def _takes_seed(adapter: Adapter, backend: Backend) -> bool:
+    """``adapter.takes_seed``; when unknown, whether one small dropout call with a seed
+    raises a ``TypeError`` naming ``seed`` (``**kwargs`` passed on to PyTorch)."""
+    if adapter.takes_seed is not None:
+        return adapter.takes_seed
+    shape = (1, 1, 2, 4)
+    probe = AttentionCall(
+        np.ones(shape),
+        np.ones(shape),
+        np.ones(shape),
+        None,
+        {"dropout_p": 0.5, "seed": 0},
+        preferred_dtype(adapter, backend),
+        frozenset({"dropout"}),
+        backend,
+    )
+    try:
+        adapter.run(probe, backend, False)
+    except TypeError as exc:
+        return "seed" not in str(exc)
+    except Exception:  # any other failure shows in the dropout row itself
+        return True
+    return True
+
+
+def _seedless_dropout_row(adapter: Adapter, backend: Backend) -> FeatureResult:
+    """The dropout row of a function that takes no seed: the statistical checks."""
+    found = check_dropout_without_seed(adapter, backend)
+    if found.not_checkable is not None:
+        detail = f"without a seed: {found.not_checkable}"
+        return FeatureResult(
+            "dropout", NOT_CHECKABLE, detail, None, found.calls, checks=found.checks
+        )
+    if found.failure is None:
+        return FeatureResult("dropout", PASSED, "", None, found.calls, checks=found.checks)
+    failed = next(name for name, result in found.checks.items() if result == "failed")
+    detail = f"without a seed, {failed}: {found.failure}"
+    status = FAILED
+    if "dropout" in adapter.conventions:
+        status = CONVENTION
+        detail = f"{adapter.conventions['dropout']}: {detail}"
+    example = None
+    if found.call is not None:
+        example = {"call": found.call.describe(), "error": detail, "spec": found.call.to_dict()}
+    return FeatureResult("dropout", status, detail, example, found.calls, checks=found.checks)
 
 
 def _has_empty_rows(call: AttentionCall) -> bool:
@@ -363,11 +495,11 @@ def _run_row(
         )
     except NoSuchExample:
         checked = counts["run"] - counts["skipped"] - counts["left_out"]
-        if checked == 0:  # nothing the function could express: no evidence either way
+        if checked == 0:  # a supported feature without one usable call: no evidence
             return FeatureResult(
                 feature,
-                UNSUPPORTED,
-                f"none of {counts['run']} drawn calls was expressible or kept",
+                NO_EXAMPLES,
+                _no_examples_detail(counts),
                 None,
                 0,
                 counts["skipped"],
@@ -390,4 +522,17 @@ def _run_row(
         {"call": minimal.describe(), "error": detail, "spec": minimal.to_dict()},
         counts["run"],
         counts["skipped"],
+    )
+
+
+def _no_examples_detail(counts: dict[str, int]) -> str:
+    """Why none of a row's drawn calls was used."""
+    reasons = []
+    if counts["skipped"]:
+        reasons.append(f"{counts['skipped']} not expressible by the adapter")
+    if counts["left_out"]:
+        reasons.append(f"{counts['left_out']} left out for fully masked rows, a convention")
+    return (
+        f"none of {counts['run']} drawn calls could be used ({', '.join(reasons)}); "
+        "more examples may find one"
     )

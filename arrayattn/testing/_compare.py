@@ -29,14 +29,57 @@ __all__ = [
     "naive_attention",
     "round_to_dtype",
     "error_summary",
+    "dtype_name",
 ]
 
 ATTENTION_TOLERANCES = {"float64": 1e-12, "float32": 1e-5}
 _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23, "float64": 2.0**-52}
 FA_FACTOR = 2.0
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+# str() of the dtypes np.dtype() cannot read: torch.float32, array_api_strict.float32.
+_DTYPE_PREFIXES = ("torch.", "array_api_strict.")
 
 
-def round_to_dtype(x: Any, dtype: str) -> np.ndarray:
+def dtype_name(dtype: Any) -> str:
+    """The name (``"float32"``, ...) of a dtype given as a name or as any library's dtype
+    object: NumPy scalar types and ``np.dtype``, CuPy's (NumPy's), torch dtypes, JAX and
+    ml_dtypes types (``jnp.bfloat16``), array-api-strict dtypes.
+
+    Raises:
+        ValueError: ``dtype`` is not float16, bfloat16, float32 or float64 in any form.
+
+    Examples:
+        >>> import numpy as np
+        >>> from arrayattn.testing._compare import dtype_name
+        >>> dtype_name(np.float32), dtype_name(np.dtype("float16")), dtype_name("float64")
+        ('float32', 'float16', 'float64')
+    """
+    name = _plain_dtype_name(dtype)
+    if name not in FLOAT_DTYPES:
+        raise ValueError(
+            "dtype must be float16, bfloat16, float32 or float64 (a name or any library's "
+            f"dtype object), got {dtype!r}"
+        )
+    return name
+
+
+def _plain_dtype_name(dtype: Any) -> str | None:
+    if isinstance(dtype, str) and dtype in FLOAT_DTYPES:
+        return dtype
+    if dtype is None:  # np.dtype(None) would read it as float64
+        return None
+    try:
+        # NumPy/CuPy dtypes and scalar types, JAX's and ml_dtypes' (bfloat16 included).
+        return np.dtype(dtype).name
+    except (TypeError, ValueError):
+        text = str(dtype)
+    for prefix in _DTYPE_PREFIXES:
+        if text.startswith(prefix):
+            return text[len(prefix) :]
+    return None
+
+
+def round_to_dtype(x: Any, dtype: Any) -> np.ndarray:
     """Float64 values of ``x`` rounded (to nearest even) to ``dtype``'s precision;
     bfloat16 without ml_dtypes, by bit manipulation of float32.
 
@@ -47,26 +90,27 @@ def round_to_dtype(x: Any, dtype: str) -> np.ndarray:
         >>> float(round_to_dtype(1 / 3, "float16"))
         0.333251953125
     """
+    dtype = dtype_name(dtype)
     x = np.asarray(x, dtype=np.float64)
     if dtype == "float64":
         return x
     if dtype in ("float32", "float16"):
         with np.errstate(over="ignore"):
             return x.astype(dtype).astype(np.float64)
-    if dtype == "bfloat16":
-        with np.errstate(over="ignore", invalid="ignore"):
-            f = np.ascontiguousarray(x.astype(np.float32))
-        b = f.view(np.uint32).astype(np.uint64)
-        b = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
-        out = b.view(np.float32).astype(np.float64).reshape(x.shape)
-        return np.where(np.isfinite(x), out, x)
-    raise ValueError(f"dtype must be float16, bfloat16, float32 or float64, got {dtype!r}")
+    # bfloat16
+    with np.errstate(over="ignore", invalid="ignore"):
+        f = np.ascontiguousarray(x.astype(np.float32))
+    b = f.view(np.uint32).astype(np.uint64)
+    b = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+    out = b.view(np.float32).astype(np.float64).reshape(x.shape)
+    return np.where(np.isfinite(x), out, x)
 
 
-def naive_attention(*args: Any, dtype: str, **kwargs: Any) -> tuple[np.ndarray, np.ndarray]:
+def naive_attention(*args: Any, dtype: Any, **kwargs: Any) -> tuple[np.ndarray, np.ndarray]:
     """``(out, lse)`` of :func:`~arrayattn.testing.reference_attention`'s call computed
     naively in ``dtype``: every intermediate (scores, exponentials, sums, probabilities,
-    output) rounded to it. The baseline of FlashAttention's tolerance rule.
+    output) rounded to it (a name or any library's dtype object). The baseline of
+    FlashAttention's tolerance rule.
 
     Examples:
         >>> import numpy as np
@@ -75,6 +119,7 @@ def naive_attention(*args: Any, dtype: str, **kwargs: Any) -> tuple[np.ndarray, 
         >>> naive_attention(q, q, q, dtype="float16")[0].shape
         (1, 1, 2, 4)
     """
+    dtype = dtype_name(dtype)
     names = (
         "query key value attn_mask dropout_p is_causal scale enable_gqa causal_align window "
         "softcap seed q_lengths kv_lengths sinks alibi_slopes"
@@ -122,7 +167,7 @@ def assert_attention_close(
     actual: Any,
     expected: Any,
     *,
-    dtype: str,
+    dtype: Any,
     what: str = "output",
     baseline: Any = None,
     factor: float = FA_FACTOR,
@@ -135,7 +180,9 @@ def assert_attention_close(
         expected: the float64 reference of the same shape
             (:func:`~arrayattn.testing.reference_attention` on the same rounded inputs).
         dtype: the dtype the implementation computed in (its inputs'):
-            ``"float64"``, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+            ``"float64"``, ``"float32"``, ``"float16"`` or ``"bfloat16"``, or that dtype
+            as any library's object (``np.float32``, ``np.dtype("float16")``,
+            ``torch.bfloat16``, ``jnp.float32``, ``array_api_strict.float64``).
         what: a name for the message (``"output"``, ``"lse"``, ``"dq"``).
         baseline: the same computation done naively in ``dtype``
             (:func:`naive_attention`); FlashAttention's rule for low precision.
@@ -154,7 +201,9 @@ def assert_attention_close(
         Traceback (most recent call last):
         ...
         AssertionError: output (float64): NaN at index (1,) where the reference is 0 ...
+        >>> assert_attention_close(np.float32([1, 2]), np.array([1.0, 2.0]), dtype=np.float32)
     """
+    dtype = dtype_name(dtype)
     a = to_numpy(actual)
     a = np.asarray(a, dtype=np.float64) if a.dtype != np.float64 else a
     e = np.asarray(to_numpy(expected), dtype=np.float64)
@@ -182,11 +231,9 @@ def assert_attention_close(
     if dtype in ATTENTION_TOLERANCES:
         bound = ATTENTION_TOLERANCES[dtype] * magnitude
         rule = f"{ATTENTION_TOLERANCES[dtype]:g} x max(1, max|expected|)"
-    elif dtype in ("float16", "bfloat16"):
+    else:  # float16 or bfloat16
         bound = 4 * _EPS[dtype] * magnitude
         rule = f"4 ulp of {dtype} x max(1, max|expected|)"
-    else:
-        raise ValueError(f"dtype must be float16, bfloat16, float32 or float64, got {dtype!r}")
     if baseline is not None and dtype != "float64":
         b = np.asarray(to_numpy(baseline), dtype=np.float64)
         if b.shape == e.shape:

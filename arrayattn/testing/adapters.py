@@ -14,12 +14,14 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from ._backends import Backend, make_backend
 from ._calls import FEATURES, AttentionCall, library_features
+from ._compare import dtype_name
 from .oracles import to_numpy
 
 __all__ = [
@@ -40,6 +42,8 @@ class NotExpressible(Exception):
 
 
 Result = tuple[np.ndarray, np.ndarray | None]
+Grads = tuple[np.ndarray, ...]
+ForwardBackward = Callable[[AttentionCall, Backend, np.ndarray], tuple[np.ndarray, Grads]]
 
 
 @dataclass
@@ -61,6 +65,12 @@ class Adapter:
         conventions: feature -> documented difference; a failure there is reported as
             ``convention``, not ``failed``.
         notes: documented differences the adapter bridges (layout, names).
+        takes_seed: whether the function takes a dropout ``seed`` (its mask is then
+            compared with arrayattn's); ``False``: its dropout is random and checked
+            statistically instead; ``None``: unknown, one call tells.
+        forward_backward: ``forward_backward(call, backend, d_out) -> (out, (dq, dk,
+            dv))`` from one forward pass (one random dropout mask), or ``None``; checks
+            the gradients of a function that takes no seed.
 
     Examples:
         >>> from arrayattn.testing.adapters import arrayattn_sdpa
@@ -79,6 +89,8 @@ class Adapter:
     same_value_dim: bool = False
     conventions: Mapping[str, str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    takes_seed: bool | None = True
+    forward_backward: ForwardBackward | None = None
 
 
 def _np_dtype(x: Any) -> Any:
@@ -97,11 +109,11 @@ def _np_blhd(x: np.ndarray) -> np.ndarray:
     return np.swapaxes(x, -2, -3)
 
 
-def _grads_by_autodiff(
+def _out_and_grads_by_autodiff(
     fn_of_arrays: Callable[..., Any], backend: Backend, arrays: tuple[Any, ...], d_out: np.ndarray
-) -> tuple[np.ndarray, ...]:
-    """Cotangents of ``fn_of_arrays(*arrays)`` (one output) by the backend's own
-    autodiff (torch.autograd, jax.vjp) or arrayattn.vjp on other backends."""
+) -> tuple[np.ndarray, Grads]:
+    """Output and cotangents of ``fn_of_arrays(*arrays)`` (one output) from one forward
+    pass, by the backend's own autodiff (torch.autograd, jax.vjp)."""
     if backend.name == "torch":
         import torch
 
@@ -109,7 +121,7 @@ def _grads_by_autodiff(
         out = fn_of_arrays(*leaves)
         cot = torch.as_tensor(d_out, dtype=out.dtype, device=out.device)
         grads = torch.autograd.grad(out, leaves, cot, allow_unused=True)
-        return tuple(
+        return to_numpy(out).astype(np.float64), tuple(
             np.zeros(tuple(a.shape)) if g is None else to_numpy(g).astype(np.float64)
             for a, g in zip(leaves, grads, strict=True)
         )
@@ -119,8 +131,18 @@ def _grads_by_autodiff(
 
         out, pullback = jax.vjp(fn_of_arrays, *arrays)
         grads = pullback(jnp.asarray(d_out, dtype=out.dtype))
-        return tuple(np.asarray(g, dtype=np.float64) for g in grads)
+        return np.asarray(out, dtype=np.float64), tuple(
+            np.asarray(g, dtype=np.float64) for g in grads
+        )
     raise NotExpressible(f"no autodiff for backend {backend.name}")
+
+
+def _grads_by_autodiff(
+    fn_of_arrays: Callable[..., Any], backend: Backend, arrays: tuple[Any, ...], d_out: np.ndarray
+) -> Grads:
+    """Cotangents of ``fn_of_arrays(*arrays)`` (one output) by the backend's own
+    autodiff (torch.autograd, jax.vjp)."""
+    return _out_and_grads_by_autodiff(fn_of_arrays, backend, arrays, d_out)[1]
 
 
 def for_function(
@@ -128,16 +150,21 @@ def for_function(
     *,
     layout: str = "BHLD",
     supports: Iterable[str] | None = None,
-    xp: str | Backend = "numpy",
+    xp: str | ModuleType | Backend = "numpy",
     name: str | None = None,
     vjp: Callable[..., Any] | None = None,
-    dtypes: Iterable[str] = ("float32",),
+    dtypes: Iterable[Any] = ("float32",),
 ) -> Adapter:
     """An adapter for ``fn(query, key, value, attn_mask=None, dropout_p=0.0,
     is_causal=False, scale=None, enable_gqa=False, **options)`` with arrayattn's option
     names (``causal_align``, ``window``, ``softcap``, ``seed``, ``q_lengths``,
     ``kv_lengths``, ``sinks``, ``alibi_slopes``); with ``return_lse=True`` it must
     return ``(out, lse)``, LSE shaped ``(..., H, L)``.
+
+    A function with ``dropout_p`` but no ``seed`` (PyTorch's signature) draws its own
+    random mask: its dropout is checked statistically (keep rate, ``1 / (1 - p)``
+    scaling, ``p = 0``, gradients against the mask its output shows), never compared
+    with a seed-defined mask. With ``**kwargs`` and no ``seed``, one call tells.
 
     Args:
         fn: the function under test.
@@ -146,11 +173,14 @@ def for_function(
         supports: features to check; default: ``basic`` and every feature whose
             argument ``fn``'s signature names (all of them with ``**kwargs``), plus
             ``gradients`` on torch and JAX (their autodiff) or when ``vjp`` is given.
-        xp: the backend (name or :class:`~arrayattn.testing.Backend`) arrays live on.
+        xp: the library ``fn``'s arrays belong to: its module (``numpy``, ``torch``,
+            ``jax.numpy``, ``array_api_strict``, ``dask.array``, ``cupy``, or
+            array-api-compat's wrapper of one), a name from
+            :data:`~arrayattn.testing.BACKENDS`, or a :class:`~arrayattn.testing.Backend`.
         name: for the report (default: ``fn``'s qualified name).
         vjp: optional ``vjp(q, k, v, mask, d_out, **options) -> (dq, dk, dv)`` in the
             same layout.
-        dtypes: dtypes the battery draws.
+        dtypes: dtypes the battery draws (names or any library's dtype objects).
 
     Examples:
         >>> import arrayattn as aa
@@ -161,7 +191,7 @@ def for_function(
     """
     if layout not in ("BHLD", "BLHD"):
         raise ValueError(f"layout must be 'BHLD' or 'BLHD', got {layout!r}")
-    backend = xp if isinstance(xp, Backend) else make_backend(xp)
+    backend = make_backend(xp)
     import arrayattn
 
     if vjp is None and fn in arrayattn.differentiable_ops():
@@ -198,25 +228,37 @@ def for_function(
         out = to_numpy(out).astype(np.float64)
         return (_np_blhd(out) if blhd else out), lse
 
-    def grads(call: AttentionCall, b: Backend, d_out: np.ndarray) -> tuple[np.ndarray, ...]:
+    def forward_backward(call: AttentionCall, b: Backend, d_out: np.ndarray) -> tuple[Any, Grads]:
         (q, k, v), kwargs = prepare(call, b)
         dout = _np_blhd(d_out) if blhd else d_out
-        if vjp is not None:
-            g = vjp(q, k, v, kwargs.pop("attn_mask", None), dout, **kwargs)
-            g = tuple(to_numpy(x).astype(np.float64) for x in g[:3])
-        else:
-            g = _grads_by_autodiff(lambda q_, k_, v_: fn(q_, k_, v_, **kwargs), b, (q, k, v), dout)
+        out, g = _out_and_grads_by_autodiff(
+            lambda q_, k_, v_: fn(q_, k_, v_, **kwargs), b, (q, k, v), dout
+        )
+        return (_np_blhd(out), tuple(_np_blhd(x) for x in g)) if blhd else (out, g)
+
+    def grads(call: AttentionCall, b: Backend, d_out: np.ndarray) -> Grads:
+        if vjp is None:
+            return forward_backward(call, b, d_out)[1]
+        (q, k, v), kwargs = prepare(call, b)
+        dout = _np_blhd(d_out) if blhd else d_out
+        g = vjp(q, k, v, kwargs.pop("attn_mask", None), dout, **kwargs)
+        g = tuple(to_numpy(x).astype(np.float64) for x in g[:3])
         return tuple(_np_blhd(x) for x in g) if blhd else g
 
+    gradients = "gradients" in supports
     return Adapter(
         name=name or getattr(fn, "__qualname__", repr(fn)),
         run=run,
         supports=frozenset(supports),
         backend=backend.name,
-        vjp=grads if "gradients" in supports else None,
-        dtypes=tuple(dtypes),
+        vjp=grads if gradients else None,
+        dtypes=tuple(dtype_name(d) for d in dtypes),
         lead_ndim_fixed=True,
         notes=("layout BLHD: (batch, L, heads, dim), transposed by the adapter",) if blhd else (),
+        takes_seed=_takes_seed_from_signature(fn),
+        # One pass shares one random dropout mask: only the backend's own autodiff gives
+        # that (a separate vjp= call draws another mask).
+        forward_backward=forward_backward if gradients and vjp is None else None,
     )
 
 
@@ -236,6 +278,20 @@ _ARG_FEATURES = {
 }
 
 
+def _takes_seed_from_signature(fn: Callable[..., Any]) -> bool | None:
+    """``True`` when ``fn`` names ``seed``, ``False`` when its signature has neither
+    ``seed`` nor ``**kwargs`` (PyTorch's), ``None`` when its signature cannot tell."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins without a signature
+        return None
+    if "seed" in params:
+        return True
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None  # **kwargs may pass it on to a function that rejects it
+    return False
+
+
 def _supports_from_signature(fn: Callable[..., Any]) -> set[str]:
     out = {"basic", "broadcast", "zero_length", "low_precision", "adversarial", "combined"}
     try:
@@ -249,7 +305,9 @@ def _supports_from_signature(fn: Callable[..., Any]) -> set[str]:
     return out
 
 
-def arrayattn_sdpa(xp: str | Backend = "numpy", implementation: str = "auto") -> Adapter:
+def arrayattn_sdpa(
+    xp: str | ModuleType | Backend = "numpy", implementation: str = "auto"
+) -> Adapter:
     """arrayattn's own :func:`~arrayattn.scaled_dot_product_attention` on backend ``xp``
     (jitted on JAX), every feature this version supports, gradients by
     :func:`arrayattn.vjp`.
@@ -261,7 +319,7 @@ def arrayattn_sdpa(xp: str | Backend = "numpy", implementation: str = "auto") ->
     """
     import arrayattn as aa
 
-    backend = xp if isinstance(xp, Backend) else make_backend(xp)
+    backend = make_backend(xp)
     sdpa = aa.scaled_dot_product_attention
 
     def guarded(fn: Callable[[], Any]) -> Any:
@@ -316,7 +374,8 @@ def torch_sdpa(fn: Callable[..., Any] | None = None) -> Adapter:
     signature) on CPU tensors; bottom-right causal through
     ``torch.nn.attention.bias.causal_lower_right``; gradients by autograd. No LSE,
     windows, softcap, lengths, sinks or ALiBi in its signature; its dropout draws
-    from torch's generator, so it cannot be compared to a seed-defined mask.
+    from torch's generator (no seed), so it is checked statistically instead of against
+    a seed-defined mask.
 
     Examples:
         >>> from arrayattn.testing.adapters import torch_sdpa
@@ -347,15 +406,22 @@ def torch_sdpa(fn: Callable[..., Any] | None = None) -> Adapter:
                 kwargs["is_causal"] = True
         if m is not None:
             kwargs["attn_mask"] = m
+        if "dropout_p" in opts:
+            if opts.get("seed") is not None:
+                raise NotExpressible("a dropout seed (SDPA draws from torch's generator)")
+            kwargs["dropout_p"] = opts["dropout_p"]
         return (q, k, v), kwargs
 
     def run(call: AttentionCall, b: Backend, want_lse: bool) -> Result:
         (q, k, v), kwargs = options(call, b)
         return to_numpy(sdpa(q, k, v, **kwargs)).astype(np.float64), None
 
-    def grads(call: AttentionCall, b: Backend, d_out: np.ndarray) -> tuple[np.ndarray, ...]:
+    def forward_backward(call: AttentionCall, b: Backend, d_out: np.ndarray) -> tuple[Any, Grads]:
         (q, k, v), kwargs = options(call, b)
-        return _grads_by_autodiff(lambda *a: sdpa(*a, **kwargs), b, (q, k, v), d_out)
+        return _out_and_grads_by_autodiff(lambda *a: sdpa(*a, **kwargs), b, (q, k, v), d_out)
+
+    def grads(call: AttentionCall, b: Backend, d_out: np.ndarray) -> Grads:
+        return forward_backward(call, b, d_out)[1]
 
     return Adapter(
         name=f"torch.nn.functional.scaled_dot_product_attention (torch {torch.__version__})",
@@ -372,6 +438,7 @@ def torch_sdpa(fn: Callable[..., Any] | None = None) -> Adapter:
                 "gqa",
                 "broadcast",
                 "zero_length",
+                "dropout",
                 "low_precision",
                 "adversarial",
                 "gradients",
@@ -389,8 +456,10 @@ def torch_sdpa(fn: Callable[..., Any] | None = None) -> Adapter:
         notes=(
             "is_causal is top-left; bottom-right via torch.nn.attention.bias.causal_lower_right",
             "attn_mask and is_causal cannot be combined (RuntimeError); such calls are skipped",
-            "dropout uses torch's generator: not comparable to a seed-defined mask",
         ),
+        # Dropout draws from torch's generator: no seed to pass.
+        takes_seed=False,
+        forward_backward=forward_backward,
     )
 
 
@@ -549,7 +618,10 @@ def keras_dpa(fn: Callable[..., Any] | None = None) -> Adapter:
 
 
 def flash_attn(
-    fn: Callable[..., Any], *, xp: str = "torch", dtypes: Iterable[str] = ("float16", "bfloat16")
+    fn: Callable[..., Any],
+    *,
+    xp: str | ModuleType | Backend = "torch",
+    dtypes: Iterable[Any] = ("float16", "bfloat16"),
 ) -> Adapter:
     """A function with FlashAttention's ``flash_attn_func(q, k, v, dropout_p=0.0,
     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -624,7 +696,7 @@ def flash_attn(
         supports=frozenset(supports),
         backend=backend.name,
         vjp=grads if "gradients" in supports else None,
-        dtypes=tuple(dtypes),
+        dtypes=tuple(dtype_name(d) for d in dtypes),
         alignments=("bottom_right",),
         same_value_dim=True,
         notes=(

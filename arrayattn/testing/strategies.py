@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from ._backends import Backend
 from ._calls import FEATURES, AttentionCall, _as_backend, library_features
-from ._compare import round_to_dtype
+from ._compare import dtype_name, round_to_dtype
 
 __all__ = ["Shapes", "shapes", "masks", "attention_calls", "attention_problems"]
 
@@ -153,7 +153,7 @@ def _values(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
 def attention_calls(
     draw: Any,
     xp: Any = None,
-    dtypes: Iterable[str] = ("float32",),
+    dtypes: Iterable[Any] = ("float32",),
     max_len: int = 8,
     features: Iterable[str] | None = None,
     *,
@@ -165,10 +165,11 @@ def attention_calls(
     """Whole attention calls: shapes, options, masks and values.
 
     Args:
-        xp: a backend name, :class:`~arrayattn.testing.Backend` or namespace the calls
-            are bound to (``call.arrays()`` then returns its arrays); dtypes it lacks
-            are not drawn.
-        dtypes: dtypes to draw from (``"low_precision"`` adds float16/bfloat16).
+        xp: a backend name, :class:`~arrayattn.testing.Backend` or library module
+            (``numpy``, ``torch``, ``jax.numpy``, ...) the calls are bound to
+            (``call.arrays()`` then returns its arrays); dtypes it lacks are not drawn.
+        dtypes: dtypes to draw from, names or any library's dtype objects
+            (``"low_precision"`` adds float16/bfloat16).
         max_len: largest ``L`` and ``S``.
         features: names from :data:`~arrayattn.testing.FEATURES` that may appear
             (default: everything this arrayattn supports, sinks and ALiBi only when its
@@ -213,7 +214,7 @@ def attention_calls(
     def present(pool: list[str]) -> list[str]:
         return pool if backend is None else [d for d in pool if backend.dtype(d) is not None]
 
-    dtype_pool = present(list(dtypes))
+    dtype_pool = present([dtype_name(d) for d in dtypes])
     # Low precision only where the backend has float16 or bfloat16 (not array-api-strict).
     low_pool = present(["float16", "bfloat16"])
     if "low_precision" in allowed and low_pool and want("low_precision"):

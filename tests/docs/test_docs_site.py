@@ -212,3 +212,15 @@ def test_getting_started_runs_on_every_backend(backend):
     like = backend.asarray(np.zeros(1, dtype=np.float32))
     assert array_api_compat.array_namespace(out) is array_api_compat.array_namespace(like)
     assert array_api_compat.device(out) == array_api_compat.device(like)
+
+
+def test_long_code_lines_wrap_instead_of_scrolling():
+    """Code comments longer than the column were cut off behind a horizontal scroll bar:
+    the site's stylesheet wraps code lines (but not program-output ``text`` blocks), and
+    every page loads it."""
+    root = Path(__file__).resolve().parents[2]
+    css = (root / "docs" / "stylesheets" / "extra.css").read_text(encoding="utf-8")
+    rule = css[css.index(".md-typeset pre > code {") :]
+    assert "white-space: pre-wrap" in rule.split("}")[0]
+    assert ".language-text pre > code" in css
+    assert "stylesheets/extra.css" in (root / "mkdocs.yml").read_text(encoding="utf-8")

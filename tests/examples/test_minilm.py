@@ -97,7 +97,11 @@ def test_first_layer_matches_plain_numpy_float64(tokenizer):
     model = ex.load_model(dtype=np.float64)
     ids, types, keep = ex.tokenize(tokenizer, ex.SENTENCES[:3])
     x = np.asarray(ex.embed(model, ids, types))
-    w = {k: np.asarray(v, np.float64) for k, v in model.weights.items()}
+    from safetensors.numpy import load_file
+
+    # the checkpoint itself, by its own names: what the layers' load() took
+    state = load_file(str(ex.model_dir() / "model.safetensors"))
+    w = {k: v.astype(np.float64) for k, v in state.items() if v.dtype.kind == "f"}
     # the embedding stage, plainly
     e = (
         w["embeddings.word_embeddings.weight"][ids]
@@ -112,6 +116,18 @@ def test_first_layer_matches_plain_numpy_float64(tokenizer):
     ours = np.asarray(ex.encoder_layer(model, 0, x, keep[:, None, None, :]))
     ref = _np_layer(w, 0, e, keep, 1e-12)
     np.testing.assert_allclose(ours[keep], ref[keep], rtol=1e-9, atol=1e-10)
+
+
+def test_layers_took_every_tensor_of_the_checkpoint(model32):
+    from safetensors.numpy import load_file
+
+    state = load_file(str(ex.model_dir() / "model.safetensors"))
+    floats = {k for k, v in state.items() if v.dtype.kind == "f"}
+    taken = sum(len(p) for p in model32.embedding_params.values())
+    taken += sum(len(p) for layer in model32.layers for p in layer.values())
+    assert taken == len(floats) - sum(k.startswith("pooler.") for k in floats)
+    w = model32.layers[2]["mlp"]["fc1.weight"]
+    np.testing.assert_array_equal(np.asarray(w), state["encoder.layer.2.intermediate.dense.weight"])
 
 
 def test_script_prints_the_similarity_matrix(capsys):

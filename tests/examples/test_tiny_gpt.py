@@ -46,10 +46,10 @@ def test_model_backward_matches_finite_differences(tied):
 
     def loss_of(p):
         logits, _ = gpt.forward(p, cfg, ids)
-        return float(gpt.cross_entropy(np, logits, targets)[0])
+        return float(gpt.loss_and_grad(logits, targets)[0])
 
     logits, tape = gpt.forward(params, cfg, ids, record=True)
-    _, d_logits = gpt.cross_entropy(np, logits, targets)
+    _, d_logits = gpt.loss_and_grad(logits, targets)
     grads = gpt.backward(tape, cfg, d_logits)
     assert set(grads) == set(params)
     eps = 1e-5
@@ -66,11 +66,22 @@ def test_model_backward_matches_finite_differences(tied):
 def test_cross_entropy_matches_plain_numpy():
     rng = np.random.default_rng(2)
     logits, targets = rng.standard_normal((2, 3, 5)), rng.integers(0, 5, (2, 3))
-    loss, grad = gpt.cross_entropy(np, logits, targets)
+    loss, grad = gpt.loss_and_grad(logits, targets)
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     expected = -np.mean(np.take_along_axis(logp, targets[..., None], -1))
     np.testing.assert_allclose(loss, expected, rtol=1e-12)
+    softmax = np.exp(logp)
+    np.testing.assert_allclose(grad, (softmax - np.eye(5)[targets]) / targets.size, rtol=1e-12)
     np.testing.assert_allclose(grad.sum(-1), 0.0, atol=1e-15)
+
+
+def test_parameters_and_gradients_share_the_hugging_face_names():
+    cfg = tiny_config(False)
+    params = gpt.init_params(cfg, seed=0, xp=np)
+    assert "model.layers.1.mlp.gate_proj.weight" in params and "lm_head.weight" in params
+    assert set(gpt.subtree(params, "model.layers.0.mlp.")) == set(cfg.mlp.param_shapes())
+    cfg.mlp.check_params(gpt.subtree(params, "model.layers.1.mlp."))
+    cfg.attention.check_params(gpt.subtree(params, "model.layers.1.self_attn."))
 
 
 def test_kv_cache_generation_equals_full_recomputation_every_step():

@@ -389,3 +389,20 @@ def test_every_rejected_cached_call_leaves_the_cache_unchanged(kind):
     with pytest.raises(TypeError):  # parameters of another dtype than the cache
         MHA({k: v.astype(np.float64) for k, v in P.items()}, X.astype(np.float64), cache=cache)
     assert (cache.lengths.tolist(), getattr(cache, "block_tables", None)) == state
+
+
+def test_a_prompt_longer_than_the_cache_names_the_cache():
+    """A prompt longer than the cache's capacity: the error names the cache, its capacity
+    and the tokens asked for, not an argument ("lengths") the caller never passed."""
+    mha = MultiHeadAttention(8, 2, causal=True)
+    params = mha.init(seed=0, xp=np)
+    prompt = np.ones((1, 6, 8), np.float32)
+    for cache, words in (
+        (mha.new_cache(1, 4), "KV cache overflow in sequence 0: 0 cached + 6 new tokens > "
+                              "its capacity max_length=4"),
+        (mha.new_paged_cache(1, num_pages=1, page_size=4), "paged KV cache overflow"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError) as err:
+            mha(params, prompt, cache=cache)
+        assert words in str(err.value) and "lengths[0]" not in str(err.value)
+        assert cache.lengths.tolist() == [0]  # nothing written

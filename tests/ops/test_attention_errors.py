@@ -242,3 +242,35 @@ def test_torch_inputs_never_modified(rng):
     pullback((torch.ones_like(out[0]), torch.ones_like(out[1])))
     for t, c in zip((q, k, v, m), copies, strict=True):
         assert torch.equal(t, c)
+
+
+def test_swapped_sequence_and_heads_axes_get_a_layout_hint():
+    """A (B, L, H, E) tensor passed as (B, H, L, E): the message points at the layout,
+    not at enable_gqa (which would point the wrong way)."""
+    q, k = np.ones((2, 10, 8, 16)), np.ones((2, 12, 2, 16))  # (B, L, H, E) with GQA 8/2
+    for kw in ({}, {"enable_gqa": True}):
+        with pytest.raises(ValueError, match=r"look like \(batch, sequence, heads, head_dim\)"):
+            aa.scaled_dot_product_attention(q, k, k, **kw)
+    # A real head mismatch (8 query heads, 2 KV heads, forgot enable_gqa): the GQA hint.
+    q, k = np.ones((2, 8, 12, 16)), np.ones((2, 2, 12, 16))
+    with pytest.raises(ValueError, match="pass enable_gqa=True") as err:
+        aa.scaled_dot_product_attention(q, k, k)
+    assert "look like" not in str(err.value)
+
+
+def test_a_float_mask_of_zeros_and_ones_warns():
+    """A Hugging Face-style mask (1 = attend) passed as floats is added to the scores:
+    warn, naming what to pass instead; no warning for an all-zero or additive mask."""
+    import warnings
+
+    q = np.ones((1, 2, 4, 8), np.float32)
+    hf = np.ones((1, 1, 4, 4), np.float32)
+    hf[..., 0] = 0
+    with pytest.warns(UserWarning, match="holding only 0.0 and 1.0.*bool mask"):
+        aa.scaled_dot_product_attention(q, q, q, attn_mask=hf)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        aa.scaled_dot_product_attention(q, q, q, attn_mask=np.zeros((4, 4), np.float32))
+        additive = np.where(hf > 0, 0.0, -np.inf).astype(np.float32)
+        aa.scaled_dot_product_attention(q, q, q, attn_mask=additive)
+        aa.scaled_dot_product_attention(q, q, q, attn_mask=hf > 0)  # bool: what to pass

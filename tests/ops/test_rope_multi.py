@@ -283,3 +283,24 @@ def test_errors():
         aa.grid_positions((2, -1))
     with pytest.raises(ValueError, match="head_dim"):
         aa.wan_axes_dim(4)
+
+
+def test_mrope_takes_what_rope_kwargs_from_config_returns():
+    """``mrope_frequencies(positions=..., **rope_kwargs_from_config(config))`` works: it
+    accepts every key the config helper returns (``partial_rotary_factor`` included)."""
+    config = {"hidden_size": 1536, "num_attention_heads": 12, "rope_theta": 1e6,
+              "max_position_embeddings": 32768,
+              "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}  # fmt: skip
+    kw = aa.rope_kwargs_from_config(config)
+    assert "partial_rotary_factor" in kw
+    pos = np.broadcast_to(np.arange(5)[:, None], (5, 3))
+    f = aa.mrope_frequencies(positions=pos, **kw)
+    # equal positions on every axis: plain 1-D RoPE of the same ladder
+    np.testing.assert_allclose(f, aa.rope_frequencies(positions=np.arange(5), **kw), rtol=1e-6)
+    # a partial rotary factor: the sections count the rotated frequencies
+    half = aa.mrope_frequencies(
+        128, pos, [8, 12, 12], theta=1e6, partial_rotary_factor=0.5
+    )
+    assert half.shape == (5, 32)
+    with pytest.raises(ValueError, match="must sum to 32"):
+        aa.mrope_frequencies(128, pos, [16, 24, 24], partial_rotary_factor=0.5)

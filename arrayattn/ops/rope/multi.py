@@ -148,6 +148,7 @@ def mrope_frequencies(
     interleaved: bool | None = None,
     theta: float = 10000.0,
     rope_scaling: Mapping[str, Any] | None = None,
+    partial_rotary_factor: float | None = None,
     max_position_embeddings: int | None = None,
     seq_len: int | None = None,
     apply_attention_factor: bool = True,
@@ -168,14 +169,18 @@ def mrope_frequencies(
     tokens have the same position in every column -> complex ``(..., N, head_dim // 2)``.
 
     Args:
-        head_dim: the head dim ``D``; ``sum(mrope_section)`` must be ``D // 2``.
+        head_dim: the head dim ``D``; ``sum(mrope_section)`` must be ``D // 2`` (with
+            ``partial_rotary_factor``: half the rotated features).
         positions: the per-token positions, one column per section.
         mrope_section: frequencies per section; default: ``rope_scaling["mrope_section"]``
             (where Qwen2-VL's config keeps it).
         interleaved: Qwen3-VL's interleaved sections; default:
             ``rope_scaling["mrope_interleaved"]``, else False.
-        theta, rope_scaling, max_position_embeddings, seq_len, apply_attention_factor:
-            as in :func:`rope_frequencies` (``seq_len`` is needed by ``dynamic`` and
+        theta, rope_scaling, partial_rotary_factor: as in :func:`rope_frequencies`, so
+            that ``mrope_frequencies(positions=..., **rope_kwargs_from_config(config))``
+            works.
+        max_position_embeddings, seq_len, apply_attention_factor: as in
+            :func:`rope_frequencies` (``seq_len`` is needed by ``dynamic`` and
             ``longrope``).
         dtype: the real dtype of the angles (float32 default -> complex64).
 
@@ -202,7 +207,7 @@ def mrope_frequencies(
     sections = _int_list("mrope_section", mrope_section, even=False)
     if isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral):
         raise ValueError(f"head_dim must be an even int >= 2, got {head_dim!r}")
-    if sum(sections) != int(head_dim) // 2:
+    if partial_rotary_factor is None and sum(sections) != int(head_dim) // 2:
         raise ValueError(
             f"mrope_section {sections} must sum to head_dim // 2 = {int(head_dim) // 2} "
             f"(it counts frequencies, not features), got sum {sum(sections)}"
@@ -221,13 +226,15 @@ def mrope_frequencies(
         head_dim,
         rope_scaling,
         theta=theta,
+        partial_rotary_factor=partial_rotary_factor,
         max_position_embeddings=max_position_embeddings,
         seq_len=seq_len,
     )
     if len(inv_freq) != sum(sections):
         raise ValueError(
-            f"rope_scaling rotates {2 * len(inv_freq)} of {head_dim} features (partial "
-            "rotary), which M-RoPE's sections do not describe"
+            f"the ladder rotates {2 * len(inv_freq)} of {head_dim} features (partial "
+            f"rotary), but mrope_section {sections} counts {sum(sections)} frequencies; "
+            f"they must sum to {len(inv_freq)}"
         )
     if interleaved:
         axis_of = [j % 3 if j < 3 * sections[j % 3] else 0 for j in range(len(inv_freq))]
