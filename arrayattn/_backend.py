@@ -145,8 +145,8 @@ def namespace_of(**arrays: Array | None) -> Namespace:
     """
     present = {name: a for name, a in arrays.items() if a is not None}
     if not present:
-        names = " / ".join(arrays) or "an array argument"
-        raise TypeError(f"{names} must be an array from an array-API library, got None")
+        listed = " / ".join(arrays) or "an array argument"
+        raise TypeError(f"{listed} must be an array from an array-API library, got None")
     namespaces: dict[str, Namespace] = {}
     for name, a in present.items():
         if not array_api_compat.is_array_api_obj(a) or isinstance(a, (bool, int, float, complex)):

@@ -8,6 +8,7 @@ calling the code they check. No GPU is needed; CuPy is checked when a device exi
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.util
 import math
@@ -270,7 +271,9 @@ def _check_gradient(b: _Backend, rng: np.random.Generator) -> tuple[str, str, fl
     k = rng.standard_normal((1, 1, 4, 4))
     v = rng.standard_normal((1, 1, 4, 4))
     do = rng.standard_normal((1, 2, 3, 4))
-    opts = dict(is_causal=True, enable_gqa=True, softcap=2.0, causal_align="bottom_right")
+    opts: dict[str, Any] = dict(
+        is_causal=True, enable_gqa=True, softcap=2.0, causal_align="bottom_right"
+    )
 
     def f(qq):
         out = aa.scaled_dot_product_attention(b.asarray(qq), b.asarray(k), b.asarray(v), **opts)
@@ -336,7 +339,7 @@ def _timing_table(
     ]
     for name, fwd in peers:
         for causal in (False, True):
-            t = _time(lambda fwd=fwd, causal=causal: fwd(causal), repeats=repeats)
+            t = _time(functools.partial(fwd, causal), repeats=repeats)
 
             def fwd_bwd(name=name, causal=causal):
                 out, pb = aa.vjp(
@@ -354,12 +357,8 @@ def _timing_table(
 
         tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
         for causal in (False, True):
-            t = _time(
-                lambda causal=causal: torch.nn.functional.scaled_dot_product_attention(
-                    tq, tk, tv, is_causal=causal
-                ),
-                repeats=repeats,
-            )
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            t = _time(functools.partial(sdpa, tq, tk, tv, is_causal=causal), repeats=repeats)
             f = flops / (2 if causal else 1)
             lines.append(f"{'torch sdpa':<16}{causal!s:<8}{_ms(t):>22}{f / t[1] / 1e9:9.1f}")
     return lines

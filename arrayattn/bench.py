@@ -134,7 +134,11 @@ class Peer:
     skip: Callable[[Shape], str | None] = lambda shape: None
 
 
-def _inputs(shape: Shape, dtype: Any, seed: int = 0):
+# A peer's setup gives its forward and its forward+backward, each a call with no arguments.
+_Calls = tuple[Callable[[], Any], Callable[[], Any]]
+
+
+def _inputs(shape: Shape, dtype: Any, seed: int = 0) -> tuple[Any, Any, Any, Any]:
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -145,7 +149,7 @@ def _inputs(shape: Shape, dtype: Any, seed: int = 0):
 
 
 def _arrayattn_peer(implementation: str) -> Peer:
-    def setup(shape: Shape, data):
+    def setup(shape: Shape, data: Any) -> _Calls:
         import arrayattn as aa
 
         q, k, v, d_out = data
@@ -179,7 +183,7 @@ def _arrayattn_peer(implementation: str) -> Peer:
 def _numpy_baseline_peer() -> Peer:
     """Plain NumPy attention as a user would write it: whole score matrices."""
 
-    def setup(shape: Shape, data):
+    def setup(shape: Shape, data: Any) -> _Calls:
         import numpy as np
 
         q, k, v, d_out = data
@@ -217,7 +221,7 @@ def _numpy_baseline_peer() -> Peer:
 
 
 def _torch_peer() -> Peer:
-    def setup(shape: Shape, data):
+    def setup(shape: Shape, data: Any) -> _Calls:
         import torch
 
         q, k, v, d_out = (torch.from_numpy(x) for x in data)
@@ -418,16 +422,12 @@ def measure_long(dtype: str, progress: Progress) -> dict[str, Any]:
     }
 
 
-def _auto_choice(q, k, v, shape: Shape) -> str:
+def _auto_choice(q: Any, k: Any, v: Any, shape: Shape) -> str:
+    from arrayattn.attention.registry import auto_choice
     from arrayattn.attention.spec import make_spec
-    from arrayattn.ops import attention as attn
 
     spec = make_spec(q, k, v, None, 0.0, shape.causal, None, False, "top_left", None, None, None)
-    impl = attn._select(spec, "auto")
-    for name, reg in attn._REGISTRY.items():
-        if reg.impl is impl:
-            return name
-    return getattr(impl, "__name__", "?")
+    return auto_choice(spec)
 
 
 # ---------------------------------------------------------------------------------------
@@ -448,19 +448,20 @@ def format_table(shape: Shape, results: list[Result], dtype: str) -> str:
     )
     lines = []
     for r in results:
-        if r.forward_s is None:
+        fwd, fwd_bwd = r.forward_s, r.forward_backward_s  # measured together, or neither
+        if fwd is None or fwd_bwd is None:
             lines.append(f"| {r.peer} | {r.note or '-'} | | | | | | |")
             continue
-        f_gf = shape.flops_forward() / r.forward_s / 1e9
-        fb_gf = shape.flops_forward_backward() / r.forward_backward_s / 1e9
-        f_ratio = r.forward_s / ref.forward_s if ref else None
-        fb_ratio = r.forward_backward_s / ref.forward_backward_s if ref else None
+        f_gf = shape.flops_forward() / fwd / 1e9
+        fb_gf = shape.flops_forward_backward() / fwd_bwd / 1e9
+        f_ratio = fwd / ref.forward_s if ref and ref.forward_s else None
+        fb_ratio = fwd_bwd / ref.forward_backward_s if ref and ref.forward_backward_s else None
         mem = _fmt(r.peak_mib, ".1f")
         if r.peak_mib is not None and r.memory_method == "peak RSS growth":
             mem += " (RSS)"
         lines.append(
-            f"| {r.peer} | {r.forward_s * 1e3:.1f} | {f_gf:.1f} | {_fmt(f_ratio, '.2f')} | "
-            f"{r.forward_backward_s * 1e3:.1f} | {fb_gf:.1f} | {_fmt(fb_ratio, '.2f')} | {mem} |"
+            f"| {r.peer} | {fwd * 1e3:.1f} | {f_gf:.1f} | {_fmt(f_ratio, '.2f')} | "
+            f"{fwd_bwd * 1e3:.1f} | {fb_gf:.1f} | {_fmt(fb_ratio, '.2f')} | {mem} |"
         )
     return head + "\n".join(lines) + "\n"
 

@@ -12,9 +12,12 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .attention.spec import AttentionSpec
 
 __all__ = [
     "DecodeShape",
@@ -58,7 +61,7 @@ DECODE_SHAPES = (
 )
 
 
-def _interleaved(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+def _interleaved(calls: Mapping[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
     """Median seconds of each call, the calls interleaved round by round (one warm-up)."""
     for fn in calls.values():
         fn()
@@ -103,7 +106,7 @@ def measure_decode(shape: DecodeShape, repeats: int, dtype: str = "float32") -> 
         rng.standard_normal((shape.B, shape.Hkv, shape.S, shape.D), dtype=np.float32).astype(dt)
         for _ in range(2)
     )
-    kw = dict(is_causal=True, causal_align="bottom_right", enable_gqa=True)
+    kw: dict[str, Any] = dict(is_causal=True, causal_align="bottom_right", enable_gqa=True)
     calls = {"arrayattn auto": lambda: aa.scaled_dot_product_attention(q, k, v, **kw)}
     try:
         torch, sdpa = _torch_sdpa()
@@ -166,7 +169,7 @@ def format_decode(results: list[dict[str, Any]]) -> str:
 ARRAY_API_SHAPE = (1, 8, 2048, 64)
 
 
-def _torch_calls(q, k, v, causal: bool) -> dict[str, Callable[[], Any]]:
+def _torch_calls(q: Any, k: Any, v: Any, causal: bool) -> dict[str, Callable[[], Any]]:
     import arrayattn as aa
 
     torch, sdpa = _torch_sdpa()
@@ -188,25 +191,27 @@ def _torch_calls(q, k, v, causal: bool) -> dict[str, Callable[[], Any]]:
     return calls
 
 
-def _plain_spec(q, k, v, causal: bool):
+def _plain_spec(q: Any, k: Any, v: Any, causal: bool) -> AttentionSpec:
     from .attention.spec import make_spec
 
     return make_spec(q, k, v, None, 0.0, causal, None, False, "top_left", None, None, None)
 
 
-def _auto_ran(q, k, v, causal: bool) -> str:
+def _auto_ran(q: Any, k: Any, v: Any, causal: bool) -> str:
     from .ops.attention import auto_choice
 
     return auto_choice(_plain_spec(q, k, v, causal))
 
 
-def _chunked_blocks(q, k, v, causal: bool) -> tuple[int, int]:
+def _chunked_blocks(q: Any, k: Any, v: Any, causal: bool) -> tuple[int, int]:
     from .attention.chunked import block_sizes
 
     return block_sizes(_plain_spec(q, k, v, causal))
 
 
-def _online_softmax_floor(torch, q, k, v, causal: bool, blocks: tuple[int, int]):
+def _online_softmax_floor(
+    torch: Any, q: Any, k: Any, v: Any, causal: bool, blocks: tuple[int, int]
+) -> Any:
     """The least any array-API formulation of the chunked path does, written in the
     library's own ops: per block one product for the scores (into a reused buffer), the
     causal diagonal's columns given a cached 0/-inf bias in place, ``exp`` in place (the
@@ -248,7 +253,7 @@ def _online_softmax_floor(torch, q, k, v, causal: bool, blocks: tuple[int, int])
     return torch.cat(accs, -2) / torch.cat(sums, -2)
 
 
-def _jax_calls(q, k, v, causal: bool) -> dict[str, Callable[[], Any]]:
+def _jax_calls(q: Any, k: Any, v: Any, causal: bool) -> dict[str, Callable[[], Any]]:
     import jax
     import jax.numpy as jnp
 

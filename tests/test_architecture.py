@@ -123,3 +123,16 @@ def test_layers_import_downwards_only():
     impls = edges["arrayattn.attention.implementations"]
     assert impls == {f"arrayattn.attention.{n}" for n in ("composed", "chunked", "fast", "dask",
                                                           "cuda")}  # fmt: skip
+
+
+def test_framework_bridges_sit_on_top():
+    # arrayattn.torch and arrayattn.jax use the public ops; nothing else in the package
+    # imports them, so importing arrayattn never imports a framework bridge.
+    edges = import_graph()
+    bridges = ("arrayattn.torch", "arrayattn.jax")
+    assert any(m.startswith(bridges) for m in edges), "the bridges are not in the graph"
+    for mod, targets in edges.items():
+        if mod.startswith(bridges):
+            continue
+        upward = sorted(t for t in targets if t.startswith(bridges))
+        assert not upward, f"{mod} imports a framework bridge: {upward}"

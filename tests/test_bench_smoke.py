@@ -209,3 +209,17 @@ def test_gpu_sanitize_script_runs_its_cases_on_numpy_and_flags_non_finite(capsys
     monkeypatch.setattr(script.aa, "vjp", poisoned)
     assert script.main(["--xp", "numpy", "--small"]) == 1
     assert "float32 E64 full: FAILED" in capsys.readouterr().out
+
+
+def test_torch_bridge_script_prints_every_row_and_its_ratio(capsys):
+    pytest.importorskip("torch")
+    script = _load_script("torch_bridge")
+    assert script.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    rows = ("torch sdpa", "arrayattn.torch", "arrayattn.torch, (B,L,H,D) views",
+            "arrayattn vjp, NumPy")  # fmt: skip
+    for case in ("full", "causal"):
+        for name in rows:
+            assert f"| {case} | {name} | " in out
+    base = next(line for line in out.splitlines() if line.startswith("| full | torch sdpa |"))
+    assert base.rstrip(" |").endswith("| 1.00")

@@ -32,7 +32,8 @@ blocks would exceed :data:`AUTO_CHUNK_BYTES`.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Iterator
+from typing import Any, NamedTuple, overload
 
 from .._backend import (
     Array,
@@ -166,12 +167,20 @@ def block_sizes(spec: AttentionSpec, backward: bool = False) -> tuple[int, int]:
     return bq, bk
 
 
+@overload
+def _block_sizes(
+    block_q: int | None, block_k: int | None, spec: AttentionSpec, backward: bool = False
+) -> tuple[int, int]: ...
+@overload
+def _block_sizes(
+    block_q: int | None, block_k: int | None, spec: None = None, backward: bool = False
+) -> tuple[int | None, int | None]: ...
 def _block_sizes(
     block_q: int | None,
     block_k: int | None,
     spec: AttentionSpec | None = None,
     backward: bool = False,
-) -> tuple[int, int]:
+) -> tuple[int | None, int | None]:
     bq = BLOCK_Q if block_q is None else block_q
     bk = BLOCK_K if block_k is None else block_k
     if (bq is None or bk is None) and spec is not None:
@@ -186,7 +195,9 @@ def _block_sizes(
     return bq, bk
 
 
-def _key_blocks(spec: AttentionSpec, r0: int, r1: int, bk: int, clip: bool = False):
+def _key_blocks(
+    spec: AttentionSpec, r0: int, r1: int, bk: int, clip: bool = False
+) -> Iterator[tuple[int, int, int, bool]]:
     """``(index, c0, c1, inside)`` for the key blocks (on the fixed grid of size ``bk``)
     that rows ``[r0, r1)`` may see; ``inside`` is True when the whole block lies inside
     the causal/window band, so the structural mask test can be skipped. ``clip=True``
@@ -273,8 +284,17 @@ class _Rows:
     for one call's prepared operands."""
 
     def __init__(
-        self, spec: AttentionSpec, qg, kg, vc, bad, mask_g, bq: int, bk: int, finite: bool
-    ):
+        self,
+        spec: AttentionSpec,
+        qg: Array,
+        kg: Array,
+        vc: Array,
+        bad: Array | None,
+        mask_g: Array | None,
+        bq: int,
+        bk: int,
+        finite: bool,
+    ) -> None:
         xp, cd, dev = spec.xp, spec.cdtype, spec.device
         self.spec, self.qg, self.kg, self.mask_g, self.bk = spec, qg, kg, mask_g, bk
         self.v_ext, self.cols_ext = composed.value_columns(spec, vc, bad)
@@ -374,7 +394,7 @@ class _Rows:
             # [P V | P 1 | P bad]: the output, the row sums and the rows that give weight
             # to a non-finite value, in one product (and one rescale).
             # (The first block's product becomes the accumulator: an array of its own.)
-            scratch = None if acc is None else self.pv_scratch
+            scratch: Array | None = None if acc is None else self.pv_scratch
             pv = composed.group_matmul(xp, p, composed.kv_rows(xp, v_blk), scratch)
             if acc is None:  # first block: nothing to rescale
                 acc, total = pv, t
@@ -387,6 +407,7 @@ class _Rows:
                 if t is not None:
                     total = total + t
             else:
+                assert m is not None  # not static: every block sets m, the first included
                 alpha = xp.exp(m - m_safe)
                 acc = acc * alpha + pv
                 if t is not None:
@@ -566,6 +587,7 @@ def backward(
     dv = _assemble(spec, _fill(spec, dv_blocks, v_pad, spec.Ev, bk), spec.v_shape)
     d_mask = None
     if spec.mask_kind == "float":
+        assert attn_mask is not None  # a float mask_kind comes from a mask
         d_mask = dmask.result(attn_mask.dtype)
     return dq, dk, dv, d_mask
 
@@ -649,6 +671,7 @@ class _MaskGradient:
         self.active = spec.mask_kind == "float"
         self.parts: dict[tuple[int, int], Array] = {}
         if self.active:
+            assert mask_g is not None  # a float mask_kind comes from a mask
             self.shape = tuple(int(d) for d in mask_g.shape)
             self.span_rows = self.shape[-2] != 1
             self.span_cols = self.shape[-1] != 1
@@ -664,7 +687,7 @@ class _MaskGradient:
         key = (i if self.span_rows else 0, j if self.span_cols else 0)
         self.parts[key] = part if key not in self.parts else self.parts[key] + part
 
-    def result(self, dtype) -> Array:
+    def result(self, dtype: Any) -> Array:
         spec, xp = self.spec, self.spec.xp
         n_rows = -(-spec.L // self.bq) if self.span_rows else 1
         n_cols = -(-spec.S // self.bk) if self.span_cols else 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from .._backend import (
     Array,
@@ -300,20 +301,28 @@ def dropout_block(spec: AttentionSpec, rows: Array, cols: Array) -> Array:
     batch, head = spec.index_arrays()
     if spec.row0 or spec.col0:  # a block of a larger call: hash global positions
         rows, cols = rows + spec.row0, cols + spec.col0
+    assert spec.seed is not None  # make_spec draws a seed whenever dropout_p > 0
     return dropout_keep(spec.xp, spec.seed, spec.dropout_p, batch, head, rows, cols)
 
 
-def _prepare(spec: AttentionSpec, query: Array, key: Array, value: Array, attn_mask: Array | None):
+def _prepare(
+    spec: AttentionSpec, query: Array, key: Array, value: Array, attn_mask: Array | None
+) -> tuple[Array, Array, Array, Array | None]:
     xp = spec.xp
     # copy=False: inputs already in the compute dtype are used as they are (never written).
     qg = xp.astype(spec.group_query(query), spec.cdtype, copy=False)
     kg = xp.astype(spec.group_kv(key, spec.k_shape), spec.cdtype, copy=False)
     vg = xp.astype(spec.group_kv(value, spec.v_shape), spec.cdtype, copy=False)
-    mask_g = None if attn_mask is None else spec.group_rows(attn_mask, spec.mask_shape)
+    mask_g = None
+    if attn_mask is not None:
+        assert spec.mask_shape is not None  # set with the mask
+        mask_g = spec.group_rows(attn_mask, spec.mask_shape)
     return qg, kg, vg, mask_g
 
 
-def masked_scores(spec: AttentionSpec, query: Array, key: Array, attn_mask: Array | None):
+def masked_scores(
+    spec: AttentionSpec, query: Array, key: Array, attn_mask: Array | None
+) -> tuple[Array, Array | None, Array, Array]:
     """Whole masked score matrix (grouped layout), softcap tanh, and the grouped
     compute-dtype query and key it came from."""
     qg, kg, _, mask_g = _prepare(spec, query, key, key, attn_mask)
@@ -442,6 +451,7 @@ def reduce_sinks(spec: AttentionSpec, g: Array) -> Array:
     xp = spec.xp
     full = spec.lead + (spec.Hq // spec.G, spec.G, spec.L, 1)
     g = xp.sum(spec.ungroup_rows(xp.broadcast_to(g, full)), axis=(-2, -1))  # (*lead, Hq)
+    assert spec.sinks is not None  # only calls with sinks have their gradient
     shape = tuple(int(d) for d in spec.sinks.shape)
     padded = (1,) * (len(spec.lead) + 1 - len(shape)) + shape
     g = sum_to_shape(xp, g, padded)
@@ -558,7 +568,7 @@ def _block_rows(spec: AttentionSpec, n: int) -> tuple[int, ...]:
     return spec.lead + (spec.Hq // spec.G, spec.G, n)
 
 
-def _concat_rows(xp, parts: list[Array]) -> Array:
+def _concat_rows(xp: Namespace, parts: list[Array]) -> Array:
     return parts[0] if len(parts) == 1 else xp.concat(parts, axis=-2)
 
 
@@ -761,9 +771,7 @@ def backward(
         dv = _reduce_kv(spec, dv_acc, spec.v_shape, spec.dtype)
     d_mask = None
     if float_mask:
-        d_mask = _reduce_to(
-            spec, spec.ungroup_rows(_concat_rows(xp, ds_parts)), spec.mask_shape, attn_mask.dtype
-        )
+        d_mask = _reduce_mask(spec, spec.ungroup_rows(_concat_rows(xp, ds_parts)), attn_mask)
     return dq, dk, dv, d_mask
 
 
@@ -859,7 +867,7 @@ def scores_pullback(
     ds = xp.broadcast_to(ds, spec.lead + (spec.Hq // spec.G, spec.G, spec.L, spec.S))
     d_mask = None
     if spec.mask_kind == "float":
-        d_mask = _reduce_to(spec, spec.ungroup_rows(ds), spec.mask_shape, attn_mask.dtype)
+        d_mask = _reduce_mask(spec, spec.ungroup_rows(ds), attn_mask)
     dq_g, dk_g = scores_grad_block(spec, qg, kg, ds, tanh)
     dq = _reduce_to(spec, spec.ungroup_rows(dq_g), spec.q_shape, spec.dtype)
     dk = _reduce_kv(spec, dk_g, spec.k_shape, spec.dtype)
@@ -871,13 +879,19 @@ def _padded(spec: AttentionSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (1,) * (full - len(shape)) + tuple(shape)
 
 
-def _reduce_to(spec: AttentionSpec, x: Array, shape: tuple[int, ...], dtype) -> Array:
+def _reduce_to(spec: AttentionSpec, x: Array, shape: tuple[int, ...], dtype: Any) -> Array:
     xp = spec.xp
     x = sum_to_shape(xp, x, _padded(spec, shape))
     return xp.astype(xp.reshape(x, shape), dtype)
 
 
-def _reduce_kv(spec: AttentionSpec, x_g: Array, shape: tuple[int, ...], dtype) -> Array:
+def _reduce_mask(spec: AttentionSpec, ds: Array, attn_mask: Array | None) -> Array:
+    """A float mask's gradient (``ds`` in the user's layout) in the mask's shape and dtype."""
+    assert attn_mask is not None and spec.mask_shape is not None  # mask_kind == "float"
+    return _reduce_to(spec, ds, spec.mask_shape, attn_mask.dtype)
+
+
+def _reduce_kv(spec: AttentionSpec, x_g: Array, shape: tuple[int, ...], dtype: Any) -> Array:
     """Grouped ``(*lead, Hq/G, G, S, D)`` key-side gradient -> the key's own shape,
     summing over each KV head's group of query heads (and over broadcast dims)."""
     xp = spec.xp

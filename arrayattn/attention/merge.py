@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from .._autodiff import register_vjp
+from .._autodiff import Pullback, register_vjp
 from .._backend import (
     Array,
     device_of,
@@ -185,7 +185,9 @@ def _times(xp: Any, a: Array, x: Array) -> Array:
 
 
 @register_vjp(merge_attention_states)
-def _merge_vjp(outs: Sequence[Array], lses: Sequence[Array]):
+def _merge_vjp(
+    outs: Sequence[Array], lses: Sequence[Array]
+) -> tuple[tuple[Array, Array], Pullback]:
     """With ``a_i = exp(lse_i - lse)``: ``d out_i = a_i dOut`` and
     ``d lse_i = a_i (dLse + rowsum(dOut * (out_i - out)))``."""
     xp, cd = _check(outs, lses)

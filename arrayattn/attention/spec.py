@@ -115,6 +115,9 @@ class AttentionSpec:
     # the array library cannot hold (bfloat16 handed to CuPy from PyTorch or JAX through
     # DLPack, arrayattn/attention/cuda/fused.py): only the fused kernels take such a spec.
     kernel_kind: str | None = None
+    # The attention mask's own dtype (``None`` without a mask): a float mask may differ from
+    # the inputs' dtype, and a path that views it in another library must be able to.
+    mask_dtype: Any = None
 
     def as_block(
         self,
@@ -355,6 +358,7 @@ def make_spec(
         alibi_g=_per_head_g(xp, "alibi_slopes", alibi_slopes, lead, Hq, G, cdtype),
         autograd=records_gradients(query, key, value, attn_mask, sinks, alibi_slopes),
         lse_wanted=bool(lse_wanted),
+        mask_dtype=None if attn_mask is None else attn_mask.dtype,
     )
 
 

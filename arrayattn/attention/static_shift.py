@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
-from .._backend import Array, is_lazy, to_floats
+from .._backend import Array, Namespace, is_lazy, to_floats
 from .spec import AttentionSpec
 
 __all__ = ["LIMIT", "TINY", "MIN_ROWS", "ScoreBound", "limit_and_tiny", "bounded"]
@@ -44,7 +45,7 @@ attention itself does. The NumPy fast path's per-tile rule is
 ``_fast_forward.STATIC_MIN_ROWS``."""
 
 
-def limit_and_tiny(xp, cdtype) -> tuple[float, float]:
+def limit_and_tiny(xp: Namespace, cdtype: Any) -> tuple[float, float]:
     """``(LIMIT, TINY)`` for the compute dtype ``cdtype`` (float32 or float64)."""
     bits = 64 if cdtype == xp.float64 else 32
     return LIMIT[bits], TINY[bits]
@@ -135,7 +136,7 @@ def bounded(
     return ScoreBound(True, q_max * k_max <= _FINITE_PRODUCT)  # False for NaN or inf
 
 
-def _row_norms(xp, x: Array) -> Array:
+def _row_norms(xp: Namespace, x: Array) -> Array:
     """Euclidean norms over the last axis: the array API's ``linalg.vector_norm`` where the
     library has the extension (no ``x``-sized temporary), else ``sqrt(sum(x * x))``."""
     linalg = getattr(xp, "linalg", None)
@@ -144,5 +145,5 @@ def _row_norms(xp, x: Array) -> Array:
     return xp.sqrt(xp.sum(x * x, axis=-1))
 
 
-def _finite_or_zero(xp, x: Array) -> Array:
+def _finite_or_zero(xp: Namespace, x: Array) -> Array:
     return xp.where(xp.isfinite(x), x, xp.zeros_like(x))

@@ -217,6 +217,10 @@ class _ForkGate:
     deadlocking."""
 
     def __init__(self) -> None:
+        self._open()
+
+    def _open(self) -> None:
+        """A fresh, open gate (also the forked child's: the parent's callers are gone)."""
         self._cond = threading.Condition(threading.Lock())
         self._active = 0
         self._forking = 0
@@ -246,7 +250,7 @@ class _ForkGate:
         self._cond.release()
 
     def after_fork_in_child(self) -> None:
-        self.__init__()
+        self._open()
 
 
 _FORK_GATE = _ForkGate()

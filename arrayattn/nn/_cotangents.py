@@ -29,7 +29,12 @@ class Cotangents(tuple):
         ((1, 3, 8), None, (1, 2, 3, 3))
     """
 
-    def __new__(cls, dx: Array, dcontext: Array | None, dparams: Params, dvalue: Any, dmask: Any):
+    _value: Array | None
+    _attn_mask: Array | None
+
+    def __new__(
+        cls, dx: Array, dcontext: Array | None, dparams: Params, dvalue: Any, dmask: Any
+    ) -> Cotangents:
         self = super().__new__(cls, (dx, dcontext, dparams))
         self._value, self._attn_mask = dvalue, dmask
         return self

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, Literal, overload
 
 __all__ = ["_count", "_real", "_flag"]
 
@@ -18,6 +18,10 @@ def _count(name: str, value: Any) -> int:
     return int(value)
 
 
+@overload
+def _real(name: str, value: Any, *, optional: Literal[False] = False) -> float: ...
+@overload
+def _real(name: str, value: Any, *, optional: bool) -> float | None: ...
 def _real(name: str, value: Any, *, optional: bool = False) -> float | None:
     if value is None and optional:
         return None

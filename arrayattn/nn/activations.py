@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .._autodiff import register_vjp
+from .._autodiff import Pullback, register_vjp
 from .._backend import Array, compute_dtype, device_of, full_scalar, is_real_floating, namespace_of
 
 __all__ = ["erf", "gelu", "silu"]
@@ -142,13 +142,13 @@ def gelu(x: Array, approximate: str = "none") -> Array:
 
 
 @register_vjp(gelu)
-def _gelu_vjp(x: Array, approximate: str = "none"):
+def _gelu_vjp(x: Array, approximate: str = "none") -> tuple[Array, Pullback]:
     xp = _check(x)
     _check_approximate(approximate)
     xc = xp.astype(x, compute_dtype(xp, x.dtype))
     y, dy_dx = _gelu_parts(xp, xc, approximate)
 
-    def pullback(dy: Array):
+    def pullback(dy: Array) -> tuple[Array, None]:
         _check_cotangent(dy, tuple(x.shape))
         return xp.astype(xp.astype(dy, dy_dx.dtype) * dy_dx, x.dtype), None
 
@@ -178,12 +178,12 @@ def silu(x: Array) -> Array:
 
 
 @register_vjp(silu)
-def _silu_vjp(x: Array):
+def _silu_vjp(x: Array) -> tuple[Array, Pullback]:
     xp = _check(x)
     xc = xp.astype(x, compute_dtype(xp, x.dtype))
     s = _sigmoid(xp, xc)
 
-    def pullback(dy: Array):
+    def pullback(dy: Array) -> tuple[Array]:
         _check_cotangent(dy, tuple(x.shape))
         g = xp.astype(dy, s.dtype) * (s * (1.0 + xc * (1.0 - s)))
         return (xp.astype(g, x.dtype),)

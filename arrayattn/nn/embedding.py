@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._autodiff import register_vjp
+from .._autodiff import Pullback, register_vjp
 from .._backend import Array, compute_dtype, device_of, is_real_floating, namespace_of, prod
 
 __all__ = ["embedding"]
@@ -52,11 +52,11 @@ def embedding(ids: Array, weight: Array) -> Array:
 
 
 @register_vjp(embedding)
-def _embedding_vjp(ids: Array, weight: Array):
+def _embedding_vjp(ids: Array, weight: Array) -> tuple[Array, Pullback]:
     xp = _check(ids, weight)
     out = _lookup(xp, ids, weight)
 
-    def pullback(dy: Array):
+    def pullback(dy: Array) -> tuple[None, Array]:
         if tuple(dy.shape) != tuple(out.shape):
             raise ValueError(f"cotangent has shape {tuple(dy.shape)}, expected {tuple(out.shape)}")
         V, D = (int(d) for d in weight.shape)

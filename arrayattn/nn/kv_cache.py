@@ -145,7 +145,9 @@ class KVCache:
         else:
             self._lengths = np.array(host_lengths("length", length, B, S), dtype=np.int64)
 
-    def _init_shape(self, B, H, S, D, Dv, xp, device, dtype) -> None:
+    def _init_shape(
+        self, B: int, H: int, S: int, D: int, Dv: int, xp: Any, device: Any, dtype: Any
+    ) -> None:
         self.batch_size, self.num_kv_heads, self._max_length = B, H, S
         self.head_dim, self.value_dim = D, Dv
         self.xp, self.device, self._dtype = xp, device, dtype
@@ -255,7 +257,7 @@ class KVCache:
             >>> [a.shape for a in cache.filled()]
             [(2, 1, 3, 4), (2, 1, 3, 4)]
         """
-        if self.keys is None:
+        if self.keys is None or self.values is None:  # both or neither
             raise ValueError("the cache is empty and has no buffers yet (nothing appended)")
         n = int(self._lengths.max())
         return self.keys[:, :, :n, :], self.values[:, :, :n, :]
@@ -275,7 +277,8 @@ class KVCache:
         if rows is None:
             self._lengths[:] = 0
             return
-        for b in [rows] if isinstance(rows, numbers.Integral) else rows:
+        # int named beside Integral only so that type checkers narrow it away below.
+        for b in [rows] if isinstance(rows, (int, numbers.Integral)) else rows:
             b = check_count("rows", b, minimum=0)
             if b >= self.batch_size:
                 raise ValueError(f"rows must be in [0, {self.batch_size}), got {b}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._autodiff import register_vjp
+from .._autodiff import Pullback, register_vjp
 from .._backend import Array, compute_dtype, is_real_floating, namespace_of, prod
 
 __all__ = ["linear"]
@@ -70,7 +70,7 @@ def linear(x: Array, weight: Array, bias: Array | None = None) -> Array:
 
 
 @register_vjp(linear)
-def _linear_vjp(x: Array, weight: Array, bias: Array | None = None):
+def _linear_vjp(x: Array, weight: Array, bias: Array | None = None) -> tuple[Array, Pullback]:
     xp = _check(x, weight, bias)
     y = _forward(xp, x, weight, bias)
 

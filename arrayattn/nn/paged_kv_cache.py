@@ -104,6 +104,7 @@ class PagedKVCache:
     def _materialise(self) -> None:
         shape = (self.num_pages, self.num_kv_heads, self.page_size)
         xp, dev, dt = self.xp, self.device, self._dtype
+        assert xp is not None  # called once the library is known (xp=, dtype= or an append)
         self.keys = xp.zeros(shape + (self.head_dim,), dtype=dt, device=dev)
         self.values = xp.zeros(shape + (self.value_dim,), dtype=dt, device=dev)
         self.device = device_of(self.keys)
@@ -145,7 +146,8 @@ class PagedKVCache:
             ([2, 3], [[0, 1], []])
         """
         todo = range(self.batch_size) if rows is None else rows
-        for b in [todo] if isinstance(todo, numbers.Integral) else todo:
+        # int named beside Integral only so that type checkers narrow it away below.
+        for b in [todo] if isinstance(todo, (int, numbers.Integral)) else todo:
             b = check_count("rows", b, minimum=0)
             if b >= self.batch_size:
                 raise ValueError(f"rows must be in [0, {self.batch_size}), got {b}")
@@ -410,6 +412,8 @@ class PagedKVCache:
         the page itself for one page of one sequence, else a block of ``B * n`` pages
         (never the whole cache)."""
         B, n = (int(d) for d in pages.shape)
+        # attend reads pages only after an append, which allocates both pools.
+        assert self.keys is not None and self.values is not None
         if B == 1 and n == 1:
             p = int(pages[0, 0])
             return self.keys[p : p + 1, ...], self.values[p : p + 1, ...]

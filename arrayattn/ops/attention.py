@@ -9,9 +9,9 @@ returns a pullback that runs the same implementation's backward.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, overload
 
-from .._autodiff import register_vjp
+from .._autodiff import Pullback, register_vjp
 from .._backend import Array, known_shape
 from ..attention import composed as _composed
 from ..attention import implementations as _implementations  # noqa: F401  (registers them)
@@ -35,6 +35,74 @@ __all__ = [
 ]
 
 
+# The overloads tell type checkers what a call returns: the output alone, or with
+# return_lse=True the pair (output, LSE). One function at run time (the last definition).
+@overload
+def scaled_dot_product_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    attn_mask: Array | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    causal_align: str = "top_left",
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    seed: int | None = None,
+    return_lse: Literal[False] = False,
+    implementation: str = "auto",
+    q_lengths: Array | None = None,
+    kv_lengths: Array | None = None,
+    sinks: Array | None = None,
+    alibi_slopes: Array | None = None,
+) -> Array: ...
+@overload
+def scaled_dot_product_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    attn_mask: Array | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    causal_align: str = "top_left",
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    seed: int | None = None,
+    return_lse: Literal[True],
+    implementation: str = "auto",
+    q_lengths: Array | None = None,
+    kv_lengths: Array | None = None,
+    sinks: Array | None = None,
+    alibi_slopes: Array | None = None,
+) -> tuple[Array, Array]: ...
+@overload
+def scaled_dot_product_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    attn_mask: Array | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    causal_align: str = "top_left",
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    seed: int | None = None,
+    return_lse: bool = False,
+    implementation: str = "auto",
+    q_lengths: Array | None = None,
+    kv_lengths: Array | None = None,
+    sinks: Array | None = None,
+    alibi_slopes: Array | None = None,
+) -> Array | tuple[Array, Array]: ...
 def scaled_dot_product_attention(
     query: Array,
     key: Array,
@@ -183,7 +251,7 @@ def _sdpa_vjp(
     kv_lengths: Array | None = None,
     sinks: Array | None = None,
     alibi_slopes: Array | None = None,
-):
+) -> tuple[Array | tuple[Array, Array], Pullback]:
     spec = make_spec(
         query,
         key,
@@ -303,21 +371,21 @@ def attention_weights(
 
 
 def _weights_spec(
-    query,
-    key,
-    attn_mask,
-    dropout_p,
-    is_causal,
-    scale,
-    enable_gqa,
-    causal_align,
-    window,
-    softcap,
-    seed,
-    q_lengths=None,
-    kv_lengths=None,
-    sinks=None,
-    alibi_slopes=None,
+    query: Array,
+    key: Array,
+    attn_mask: Array | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    causal_align: str,
+    window: Any,
+    softcap: float | None,
+    seed: int | None,
+    q_lengths: Array | None = None,
+    kv_lengths: Array | None = None,
+    sinks: Array | None = None,
+    alibi_slopes: Array | None = None,
 ) -> AttentionSpec:
     # The value plays no part in the weights; key stands in for it (same S, Ev = E).
     return make_spec(
@@ -365,7 +433,7 @@ def _attention_weights_vjp(
     kv_lengths: Array | None = None,
     sinks: Array | None = None,
     alibi_slopes: Array | None = None,
-):
+) -> tuple[Array, Pullback]:
     spec = _weights_spec(
         query,
         key,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 
-from .._autodiff import register_vjp
+from .._autodiff import Pullback, register_vjp
 from .._backend import Array, namespace_of
 
 __all__ = ["split_heads", "merge_heads", "repeat_kv"]
@@ -95,10 +95,10 @@ def _check_cotangent(dy: Array, shape: tuple[int, ...]) -> None:
 
 
 @register_vjp(split_heads)
-def _split_heads_vjp(x: Array, num_heads: int):
+def _split_heads_vjp(x: Array, num_heads: int) -> tuple[Array, Pullback]:
     out = split_heads(x, num_heads)
 
-    def pullback(dy: Array):
+    def pullback(dy: Array) -> tuple[Array, None]:
         _check_cotangent(dy, tuple(out.shape))
         return merge_heads(dy), None
 
@@ -106,10 +106,10 @@ def _split_heads_vjp(x: Array, num_heads: int):
 
 
 @register_vjp(merge_heads)
-def _merge_heads_vjp(x: Array):
+def _merge_heads_vjp(x: Array) -> tuple[Array, Pullback]:
     out = merge_heads(x)
 
-    def pullback(dy: Array):
+    def pullback(dy: Array) -> tuple[Array]:
         _check_cotangent(dy, tuple(out.shape))
         return (split_heads(dy, x.shape[-3]),)
 
@@ -117,11 +117,11 @@ def _merge_heads_vjp(x: Array):
 
 
 @register_vjp(repeat_kv)
-def _repeat_kv_vjp(x: Array, n_rep: int):
+def _repeat_kv_vjp(x: Array, n_rep: int) -> tuple[Array, Pullback]:
     out = repeat_kv(x, n_rep)
     xp = namespace_of(x=x)
 
-    def pullback(dy: Array):
+    def pullback(dy: Array) -> tuple[Array, None]:
         _check_cotangent(dy, tuple(out.shape))
         lead = tuple(x.shape[:-3])
         H, S, D = x.shape[-3:]

@@ -13,7 +13,7 @@ import math
 import numbers
 from typing import Any
 
-from .._autodiff import register_vjp
+from .._autodiff import Pullback, register_vjp
 from .._backend import (
     Array,
     compute_dtype,
@@ -67,7 +67,7 @@ def log_softmax(x: Array, axis: int = -1) -> Array:
 
 
 @register_vjp(log_softmax)
-def _log_softmax_vjp(x: Array, axis: int = -1):
+def _log_softmax_vjp(x: Array, axis: int = -1) -> tuple[Array, Pullback]:
     xp = _check_axis(x, axis)
     y = _log_softmax(xp, x, axis)
 
@@ -268,7 +268,7 @@ def _cross_entropy_vjp(
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
-):
+) -> tuple[Array, Pullback]:
     xp, ax, C = _check_ce(logits, targets, axis, ignore_index, label_smoothing, reduction)
     eps = float(label_smoothing)
     loss, logp, one_hot, valid, count = _ce_forward(

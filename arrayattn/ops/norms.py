@@ -101,7 +101,7 @@ def _rms_norm_vjp(x, weight, eps=1e-6, *, cast_before_weight=True):
     y, normed, rstd = _rms_forward(xp, x, weight, eps, axes, cast_before_weight)
     cd = normed.dtype
 
-    def pullback(dy: Array):
+    def pullback(dy: Array) -> tuple[Array, Array | None, None]:
         _check_cotangent(dy, tuple(y.shape))
         g = xp.astype(dy, cd)
         dweight = None
@@ -152,7 +152,7 @@ def _layer_norm_vjp(x, weight, bias, eps=1e-5):
     y, xhat, rstd = _ln_forward(xp, x, weight, bias, eps, axes)
     cd = xhat.dtype
 
-    def pullback(dy: Array):
+    def pullback(dy: Array) -> tuple[Array, Array | None, Array | None, None]:
         _check_cotangent(dy, tuple(y.shape))
         g = xp.astype(dy, cd)
         dbias = (

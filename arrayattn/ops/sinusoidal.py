@@ -11,7 +11,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from .._autodiff import register_vjp
+from .._autodiff import Pullback, register_vjp
 from .._backend import Array, device_of, is_real_floating, namespace_of, resolve_namespace
 
 __all__ = ["sinusoidal_embedding"]
@@ -94,17 +94,17 @@ def _sinusoidal_embedding_vjp(
     xp: Any = None,
     device: Any = None,
     dtype: Any = None,
-):
+) -> tuple[Array, Pullback]:
     ns, pos, w, out_dtype = _prepare(dim, positions, theta, xp, device, dtype)
     angles = ns.expand_dims(pos, axis=-1) * w
     cos, sin = ns.cos(angles), ns.sin(angles)
     out = ns.astype(ns.concat((cos, sin), axis=-1), out_dtype)
     half = int(dim) // 2
-    differentiable = not isinstance(positions, numbers.Integral) and is_real_floating(
-        ns, positions.dtype
-    )
+    # An int position (int named beside Integral for type checkers) has no dtype, no cotangent.
+    pos_dtype = None if isinstance(positions, (int, numbers.Integral)) else positions.dtype
+    differentiable = pos_dtype is not None and is_real_floating(ns, pos_dtype)
 
-    def pullback(dy: Array):
+    def pullback(dy: Array) -> tuple[None, Array | None]:
         if tuple(dy.shape) != tuple(out.shape):
             raise ValueError(f"cotangent has shape {tuple(dy.shape)}, expected {tuple(out.shape)}")
         if not differentiable:
@@ -112,6 +112,6 @@ def _sinusoidal_embedding_vjp(
         d = ns.astype(dy, ns.float64)
         d_cos, d_sin = d[..., :half], d[..., half:]
         dpos = ns.sum((cos * d_sin - sin * d_cos) * w, axis=-1)
-        return None, ns.astype(dpos, positions.dtype)
+        return None, ns.astype(dpos, pos_dtype)
 
     return out, pullback

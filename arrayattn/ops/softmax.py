@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._autodiff import register_vjp
+from .._autodiff import Pullback, register_vjp
 from .._backend import (
     Array,
     compute_dtype,
@@ -60,7 +60,7 @@ def softmax(x: Array, axis: int = -1) -> Array:
 
 
 @register_vjp(softmax)
-def _softmax_vjp(x: Array, axis: int = -1):
+def _softmax_vjp(x: Array, axis: int = -1) -> tuple[Array, Pullback]:
     xp = _check(x, axis)
     y = _softmax(xp, x, axis)
 

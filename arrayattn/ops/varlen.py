@@ -20,7 +20,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-from .._autodiff import register_vjp, vjp
+from .._autodiff import Pullback, register_vjp, vjp
 from .._backend import Array, Namespace, device_of, lse_dtype, namespace_of, require_arrays
 from ..attention.spec import make_spec
 from .attention import implementations, scaled_dot_product_attention, split_cotangent
@@ -339,7 +339,7 @@ def _varlen_vjp(
     implementation: str = "auto",
     sinks: Array | None = None,
     alibi_slopes: Array | None = None,
-):
+) -> tuple[Array | tuple[Array, Array], Pullback]:
     options = dict(
         dropout_p=dropout_p,
         is_causal=is_causal,
@@ -382,7 +382,13 @@ def _varlen_vjp(
             d_lse_p = _pad(xp, xp.expand_dims(d_lse, axis=-1), pq, valid=True)[..., 0]
         grads = pad_pullback((d_out_p, d_lse_p))
         dq_p, dk_p, dv_p = grads[:3]
-        result = (_unpad(xp, dq_p, pq), _unpad(xp, dk_p, pk), _unpad(xp, dv_p, pk), None, None)
+        result: tuple[Any, ...] = (
+            _unpad(xp, dq_p, pq),
+            _unpad(xp, dk_p, pk),
+            _unpad(xp, dv_p, pk),
+            None,
+            None,
+        )
         if sinks is not None:
             result = result + (grads[-1],)  # {"sinks": ...}, summed over the sequences
         return result

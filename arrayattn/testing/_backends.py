@@ -190,43 +190,44 @@ def make_backend(name: str | ModuleType | Backend) -> Backend:
         return name
     if not isinstance(name, str):
         library = name
-        name = backend_name_of(library)
-        if name is None:
+        found = backend_name_of(library)
+        if found is None:
             raise TypeError(
                 f"xp must be a backend name from {BACKENDS} or an array library module "
                 f"({LIBRARY_MODULES}); got {library!r}"
             )
+        name = found
     if name == "numpy":
-        import array_api_compat.numpy as xp
+        import array_api_compat.numpy as xnp
 
-        return Backend(name, xp, "cpu")
+        return Backend(name, xnp, "cpu")
     if name == "array_api_strict":
-        import array_api_strict as xp
+        import array_api_strict
 
-        return Backend(name, xp, xp.Device("CPU_DEVICE"))
+        return Backend(name, array_api_strict, array_api_strict.Device("CPU_DEVICE"))
     if name == "array_api_strict_device1":
-        import array_api_strict as xp
+        import array_api_strict
 
-        return Backend(name, xp, xp.Device("device1"))
+        return Backend(name, array_api_strict, array_api_strict.Device("device1"))
     if name == "torch":
-        import array_api_compat.torch as xp
+        import array_api_compat.torch as xtorch
         import torch
 
-        return Backend(name, xp, torch.device("cpu"))
+        return Backend(name, xtorch, torch.device("cpu"))
     if name == "jax":
         import jax
 
         # Without x64, float64 arrays silently become float32.
         jax.config.update("jax_enable_x64", True)
-        import jax.numpy as xp
+        import jax.numpy as jnp
 
-        return Backend(name, xp, jax.devices()[0])
+        return Backend(name, jnp, jax.devices()[0])
     if name == "dask":
-        import array_api_compat.dask.array as xp
+        import array_api_compat.dask.array as xdask
 
-        return Backend(name, xp, "cpu")
+        return Backend(name, xdask, "cpu")
     if name == "cupy":
-        import array_api_compat.cupy as xp
+        import array_api_compat.cupy as xcupy
         import cupy
 
         try:
@@ -235,7 +236,7 @@ def make_backend(name: str | ModuleType | Backend) -> Backend:
             raise ImportError(f"no CUDA device: {exc}") from exc
         if count < 1:
             raise ImportError("no CUDA device")
-        return Backend(name, xp, cupy.cuda.Device(0))
+        return Backend(name, xcupy, cupy.cuda.Device(0))
     raise ValueError(
         f"backend must be one of {BACKENDS} or an array library module ({LIBRARY_MODULES}); "
         f"got {name!r}"

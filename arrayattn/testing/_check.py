@@ -461,7 +461,9 @@ def _run_row(
     counts = {"run": 0, "skipped": 0, "left_out": 0}
     errors: dict[int, str] = {}
 
-    def fails(call: AttentionCall, counts=counts, errors=errors) -> bool:
+    def fails(
+        call: AttentionCall, counts: dict[str, int] = counts, errors: dict[int, str] = errors
+    ) -> bool:
         try:
             if skip_empty and _has_empty_rows(call):
                 counts["left_out"] += 1

@@ -124,7 +124,7 @@ def naive_attention(*args: Any, dtype: Any, **kwargs: Any) -> tuple[np.ndarray, 
         "query key value attn_mask dropout_p is_causal scale enable_gqa causal_align window "
         "softcap seed q_lengths kv_lengths sinks alibi_slopes"
     ).split()
-    defaults = dict.fromkeys(names)
+    defaults: dict[str, Any] = dict.fromkeys(names)
     defaults.update(dropout_p=0.0, is_causal=False, enable_gqa=False, causal_align="top_left")
     defaults.update(zip(names, args, strict=False))
     defaults.update(kwargs)
@@ -139,7 +139,7 @@ def naive_attention(*args: Any, dtype: Any, **kwargs: Any) -> tuple[np.ndarray, 
         return rnd(np.matmul(rnd(a), rnd(b)))
 
     with np.errstate(over="ignore", invalid="ignore"):
-        f = _forward(*(defaults[n] for n in names), rnd=rnd, matmul=matmul)
+        f = _forward(**{n: defaults[n] for n in names}, rnd=rnd, matmul=matmul)
     out = f.out.reshape(f.out.shape[f.out.ndim - f.out_ndim :])
     return out, f.lse.reshape(out.shape[:-1])
 

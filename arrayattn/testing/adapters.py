@@ -247,7 +247,7 @@ def for_function(
 
     gradients = "gradients" in supports
     return Adapter(
-        name=name or getattr(fn, "__qualname__", repr(fn)),
+        name=name or str(getattr(fn, "__qualname__", repr(fn))),
         run=run,
         supports=frozenset(supports),
         backend=backend.name,
@@ -486,6 +486,7 @@ def jax_dpa(fn: Callable[..., Any] | None = None) -> Adapter:
         opts = call.options
         kwargs: dict[str, Any] = {}
         if m is not None:
+            assert call.attn_mask is not None  # m is the call's mask on the backend
             m = b.xp.reshape(m, (1,) * (4 - m.ndim) + tuple(m.shape))
             kwargs["mask" if call.attn_mask.dtype == np.bool_ else "bias"] = m
         if opts.get("scale") is not None:

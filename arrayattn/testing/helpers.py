@@ -232,6 +232,7 @@ def check_vjp_matches_numpy(
     kwargs = kwargs or {}
     rng = np.random.default_rng(seed)
     out_np, pullback = aa.vjp(fn, *args, **kwargs)
+    cot: tuple[np.ndarray, ...] | np.ndarray
     if isinstance(out_np, tuple):
         cot = tuple(random_like(rng, o).astype(o.dtype) for o in out_np)
         cot_b = tuple(backend.asarray(c) for c in cot)

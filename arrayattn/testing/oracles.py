@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 import numpy as np
 
@@ -36,7 +36,11 @@ __all__ = [
 ]
 
 
-def _f64(x):
+@overload
+def _f64(x: None) -> None: ...
+@overload
+def _f64(x: Any) -> np.ndarray: ...
+def _f64(x: Any) -> np.ndarray | None:
     return None if x is None else np.asarray(x, dtype=np.float64)
 
 
@@ -65,10 +69,10 @@ def structural_mask(
 
 
 def attention(
-    q,
-    k,
-    v,
-    mask=None,
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any = None,
     *,
     scale: float | None = None,
     is_causal: bool = False,
@@ -77,7 +81,7 @@ def attention(
     softcap: float | None = None,
     enable_gqa: bool = False,
     dropout_p: float = 0.0,
-    keep=None,
+    keep: Any = None,
     seed: int | None = None,  # noqa: ARG001 - the mask comes in as ``keep``
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Reference attention: ``(out, lse, probs)``.
@@ -119,7 +123,7 @@ def attention(
     return out, lse, p
 
 
-def softmax(x, axis: int = -1) -> np.ndarray:
+def softmax(x: Any, axis: int = -1) -> np.ndarray:
     """Softmax; an all ``-inf`` slice gives zeros."""
     x = _f64(x)
     m = np.max(x, axis=axis, keepdims=True)
@@ -129,14 +133,14 @@ def softmax(x, axis: int = -1) -> np.ndarray:
     return np.where(total > 0, e / np.where(total > 0, total, 1.0), 0.0)
 
 
-def rms_norm(x, weight, eps: float = 1e-6) -> np.ndarray:
+def rms_norm(x: Any, weight: Any, eps: float = 1e-6) -> np.ndarray:
     """``x / sqrt(mean(x**2, -1) + eps) * weight`` over the last axis."""
     x = _f64(x)
     y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
     return y if weight is None else y * _f64(weight)
 
 
-def layer_norm(x, weight, bias, eps: float = 1e-5) -> np.ndarray:
+def layer_norm(x: Any, weight: Any, bias: Any, eps: float = 1e-5) -> np.ndarray:
     """``(x - mean) / sqrt(biased var + eps) * weight + bias`` over the last axis."""
     x = _f64(x)
     mu = np.mean(x, axis=-1, keepdims=True)
@@ -149,14 +153,14 @@ def layer_norm(x, weight, bias, eps: float = 1e-5) -> np.ndarray:
     return y
 
 
-def rope_angles(head_dim: int, positions, theta: float = 10000.0) -> np.ndarray:
+def rope_angles(head_dim: int, positions: Any, theta: float = 10000.0) -> np.ndarray:
     """Angles ``pos * theta ** (-2j / head_dim)``, shape ``positions.shape + (head_dim//2,)``."""
     j = np.arange(head_dim // 2, dtype=np.float64)
     inv_freq = theta ** (-2.0 * j / head_dim)
     return np.asarray(positions, dtype=np.float64)[..., None] * inv_freq
 
 
-def apply_rope(x, angles, layout: str = "interleaved") -> np.ndarray:
+def apply_rope(x: Any, angles: Any, layout: str = "interleaved") -> np.ndarray:
     """Rotate feature pairs of ``x`` by ``angles`` ``(..., L, F)`` with real cos/sin.
 
     ``interleaved`` pairs ``(2j, 2j+1)``; ``half`` pairs ``(j, j + F)``; features from
@@ -181,7 +185,7 @@ def apply_rope(x, angles, layout: str = "interleaved") -> np.ndarray:
     return out
 
 
-def split_heads(x, num_heads: int) -> np.ndarray:
+def split_heads(x: Any, num_heads: int) -> np.ndarray:
     """``(..., L, H*D) -> (..., H, L, D)``."""
     x = np.asarray(x)
     L, F = x.shape[-2:]
@@ -189,14 +193,14 @@ def split_heads(x, num_heads: int) -> np.ndarray:
     return np.swapaxes(y, -2, -3)
 
 
-def merge_heads(x) -> np.ndarray:
+def merge_heads(x: Any) -> np.ndarray:
     """``(..., H, L, D) -> (..., L, H*D)``."""
     x = np.asarray(x)
     H, L, D = x.shape[-3:]
     return np.swapaxes(x, -2, -3).reshape(x.shape[:-3] + (L, H * D))
 
 
-def repeat_kv(x, n_rep: int) -> np.ndarray:
+def repeat_kv(x: Any, n_rep: int) -> np.ndarray:
     """Each head repeated ``n_rep`` times in place (``repeat_interleave`` on axis -3)."""
     return np.repeat(np.asarray(x), n_rep, axis=-3)
 
@@ -205,19 +209,24 @@ def repeat_kv(x, n_rep: int) -> np.ndarray:
 #    docstring (kept independent so a change to either side is caught) -----------------
 _ROUND_KEYS = (0x3C6E, 0xB7E1, 0x9E37, 0x5851)
 
+# Python ints, or NumPy int64 arrays where the same integer ops apply elementwise
+# (dropout_keep hashes whole index grids at once).
+_Ints = int | np.ndarray
 
-def _round(x: int, key: int) -> int:
+
+def _round(x: _Ints, key: int) -> _Ints:
     return ((((x ^ key) * 0x6F4B) >> 7) & 0xFFFF) ^ (x >> 5)
 
 
-def _permute(a: int, b: int) -> tuple[int, int]:
+def _permute(a: _Ints, b: _Ints) -> tuple[_Ints, _Ints]:
     for key in _ROUND_KEYS:
         a, b = b, a ^ _round(b, key)
     return a, b
 
 
-def dropout_bits(seed: int, batch: int, head: int, row: int, col: int) -> int:
-    """24 random bits for one ``(seed, batch, head, row, col)``, in plain Python ints."""
+def dropout_bits(seed: int, batch: _Ints, head: _Ints, row: _Ints, col: _Ints) -> _Ints:
+    """24 random bits for one ``(seed, batch, head, row, col)``, in plain Python ints (or
+    for NumPy int64 index arrays, elementwise)."""
     seed %= 2**32
     a, b = _permute(seed & 0xFFFF, (seed >> 16) & 0xFFFF)
     for v in (batch, head, row, col):
@@ -229,6 +238,10 @@ def dropout_bits(seed: int, batch: int, head: int, row: int, col: int) -> int:
 # -- the full-signature attention oracle and its gradients --------------------------------
 
 
+@overload
+def to_numpy(x: None) -> None: ...
+@overload
+def to_numpy(x: Any) -> np.ndarray: ...
 def to_numpy(x: Any) -> np.ndarray | None:
     """A NumPy copy-or-view of any backend's array (``None`` passes through): torch
     tensors (bfloat16 widened to float32), CuPy, array-api-strict on any device, JAX and
@@ -316,22 +329,22 @@ def _pad(shape: tuple[int, ...], ndim: int) -> tuple[int, ...]:
 
 
 def _forward(
-    query,
-    key,
-    value,
-    attn_mask,
-    dropout_p,
-    is_causal,
-    scale,
-    enable_gqa,
-    causal_align,
-    window,
-    softcap,
-    seed,
-    q_lengths,
-    kv_lengths,
-    sinks,
-    alibi_slopes,
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    causal_align: str,
+    window: tuple[int, int] | None,
+    softcap: float | None,
+    seed: int | None,
+    q_lengths: Any,
+    kv_lengths: Any,
+    sinks: Any,
+    alibi_slopes: Any,
     rnd: Any = None,
     matmul: Any = None,
 ) -> _Forward:
@@ -395,7 +408,7 @@ def _forward(
 
     # Keys no row of a (batch, head) may see may hold anything (NaN, Inf): zero them so
     # the matmuls below cannot carry them into any output or gradient.
-    seen = allowed.any(axis=-2)[..., None]
+    seen = np.expand_dims(allowed.any(axis=-2), -1)
     k = np.where(seen, k, 0.0)
     v = np.where(seen, v, 0.0)
 
@@ -430,6 +443,7 @@ def _forward(
     drop_scale = None
     pd = p
     if dropout_p > 0:
+        assert seed is not None  # the oracle's dropout is the seed-defined one
         drop_scale = dropout_keep(seed, dropout_p, lead, Hq, L, S) / (1.0 - dropout_p)
         pd = p * drop_scale
     out = matmul(rnd(pd), v)

@@ -238,12 +238,12 @@ def attention_calls(
     )
     if zero and "zero_length" in required and 0 not in (sh.query[-2], sh.key[-2]):
         which = draw(st.sampled_from(["L", "S", "both"]))
-        q, k, v = list(sh.query), list(sh.key), list(sh.value)
+        qs, ks, vs = list(sh.query), list(sh.key), list(sh.value)
         if which in ("L", "both"):
-            q[-2] = 0
+            qs[-2] = 0
         if which in ("S", "both"):
-            k[-2] = v[-2] = 0
-        sh = Shapes(tuple(q), tuple(k), tuple(v), sh.enable_gqa)
+            ks[-2] = vs[-2] = 0
+        sh = Shapes(tuple(qs), tuple(ks), tuple(vs), sh.enable_gqa)
     L, S = sh.query[-2], sh.key[-2]
     lead, H = _lead(sh), _heads(sh)
     options: dict[str, Any] = {}

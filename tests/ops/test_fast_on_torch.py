@@ -197,6 +197,20 @@ def test_fast_declines_bfloat16_and_other_devices_and_auto_moves_on():
     assert numpy_bridge(resolve_namespace(np), "cpu") is None
 
 
+def test_fast_declines_a_bfloat16_mask_beside_float32_inputs():
+    # The inputs' dtype is viewable but the float mask's is not: the fast path must decline
+    # (it used to crash converting the mask), and "auto" must give torch's own answer.
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 24, 8, generator=g) for _ in range(3))
+    mask = torch.randn(24, 24, generator=g).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16 attn_mask"):
+        aa.scaled_dot_product_attention(q, k, v, attn_mask=mask, implementation="fast")
+    assert attention_mod.auto_choice(_spec(q, k, v, attn_mask=mask)) != "fast"
+    out = aa.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.float())
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------
 # exp_shifted: exp(s - m) in s's own memory where the library allows it
 # ---------------------------------------------------------------------------------------

@@ -457,7 +457,9 @@ def declines(spec: AttentionSpec) -> str | None:
     return None
 
 
-def _full(spec: AttentionSpec, x: Array, shape: tuple[int, ...], heads: int, tail) -> Array:
+def _full(
+    spec: AttentionSpec, x: Array, shape: tuple[int, ...], heads: int, tail: tuple[int, ...]
+) -> Array:
     """``x`` (one of the call's arrays, of its own ``shape``) broadcast to
     ``(*lead, heads, *tail)`` and made a contiguous ``(B, heads, *tail)`` array."""
     import cupy
@@ -495,7 +497,9 @@ def _lengths(spec: AttentionSpec, x: Array | None) -> Array | None:
     return cupy.ascontiguousarray(cupy.asarray(x, dtype=cupy.int32).reshape(spec.batch_size))
 
 
-def _cupy_launch(name: str, grid, threads: int, smem: int, args) -> None:
+def _cupy_launch(
+    name: str, grid: tuple[int, int, int], threads: int, smem: int, args: tuple[Any, ...]
+) -> None:
     kernel = _loader.get_kernel(SOURCE, name, smem)
     kernel(grid, (threads,), args, shared_mem=smem)
 
@@ -534,7 +538,9 @@ def backward(
         raise ValueError(f"the fused backward cannot run this call: {reason}")
     det = is_deterministic() if deterministic is None else bool(deterministic)
     kind = kernel_kind(spec)
+    assert kind is not None  # declines() refuses a dtype without kernels
     plan = backward_plan(kind, spec.E, spec.Ev)
+    assert plan is not None  # declines() refuses head dims no variant holds
     B, Hq, Hkv, L, S, E, Ev = (spec.batch_size, spec.Hq, spec.Hkv, spec.L, spec.S, spec.E, spec.Ev)
     if B == 0 or Hq == 0 or L == 0 or S == 0 or E == 0 and Ev == 0:
         zeros = [
@@ -557,7 +563,8 @@ def backward(
     mask_strides = (0, 0, 0, 0)
     if attn_mask is not None:
         mask, *strides = mask_operand(spec, attn_mask, acc)  # as the forward kernels read it
-        mask_strides = tuple(int(x) for x in strides)
+        bs, hs, rs, cs = (int(x) for x in strides)
+        mask_strides = (bs, hs, rs, cs)
 
 
     st = spec.structure

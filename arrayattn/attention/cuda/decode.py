@@ -299,7 +299,9 @@ def _sm_count(device_id: int) -> int:
     return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
 
 
-def _cupy_launch(name: str, grid, threads: int, smem: int, args) -> None:
+def _cupy_launch(
+    name: str, grid: tuple[int, int, int], threads: int, smem: int, args: tuple[Any, ...]
+) -> None:
     kernel = _loader.get_kernel(SOURCE, name, smem)
     kernel(grid, (threads,), args, shared_mem=smem)
 

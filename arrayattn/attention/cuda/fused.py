@@ -144,6 +144,7 @@ class FusedAttention:
 
         kind = kernel_kind(spec)
         d = head_dim_bucket(spec.E, spec.Ev)
+        assert kind is not None and d is not None  # declines() refused the call otherwise
         f64 = kind == "float64"
         acc = np.float64 if f64 else np.float32
         lse_dtype = cupy.float64 if f64 else cupy.float32
@@ -177,7 +178,7 @@ class FusedAttention:
             lse.fill(np.nan)
         null = np.uint64(0)
         mask_arr: Any = null
-        m_st = (0, 0, 0, 0)
+        m_st: list[Any] | tuple[int, ...] = (0, 0, 0, 0)  # (batch, head, row, col) strides
         if attn_mask is not None:
             mask_arr, *m_st = mask_operand(spec, attn_mask, acc)
         sinks = per_head_operand(spec, spec.sinks, acc)
@@ -192,7 +193,7 @@ class FusedAttention:
         kernel = _loader.get_kernel("attn_fwd.cu", name, cfg.smem_bytes)
 
         i64 = np.int64
-        cap = spec.softcap if softcap else 1.0
+        cap = 1.0 if spec.softcap is None else spec.softcap
         args = (
             q, k, v, out, lse, mask_arr,
             null if q_lens is None else q_lens,
@@ -207,7 +208,7 @@ class FusedAttention:
             np.int32(L), np.int32(S), np.int32(spec.G), np.int32(diag),
             np.int32(st.left), np.int32(st.right),
             acc(spec.scale * _LOG2E), acc(spec.scale), acc(cap), acc(1.0 / cap),
-            np.uint32(spec.seed if dropout else 0),
+            np.uint32(spec.seed if dropout and spec.seed is not None else 0),
             np.uint32(dropout_threshold(spec.dropout_p) if dropout else 0),
             acc(1.0 / (1.0 - spec.dropout_p)),
             null if sinks is None else sinks,

@@ -83,7 +83,9 @@ def device_index(spec: AttentionSpec) -> int:
     return int(cupy.cuda.runtime.getDevice())
 
 
-def _batch_stride(shape: tuple[int, ...], strides: tuple[int, ...], lead: tuple[int, ...]):
+def _batch_stride(
+    shape: tuple[int, ...], strides: tuple[int, ...], lead: tuple[int, ...]
+) -> int | None:
     """One element stride ``s`` with ``offset(flat batch b) = b * s`` for an array whose
     leading dims broadcast to ``lead``, or ``None`` when no single stride works."""
     bs: int | None = None
@@ -116,7 +118,7 @@ def _padded_view(spec: AttentionSpec, x: Any) -> Any:
     return x
 
 
-def operand(spec: AttentionSpec, x: Any, width: int, aligned16: bool):
+def operand(spec: AttentionSpec, x: Any, width: int, aligned16: bool) -> tuple[Any, int, int, int]:
     """``x`` (query/key/value, any layout) as ``(array, batch, head, row stride)`` in
     elements, zero-padded along the head dim to ``width``."""
     import cupy
@@ -127,7 +129,7 @@ def operand(spec: AttentionSpec, x: Any, width: int, aligned16: bool):
         x = cupy.concatenate([x, pad], axis=-1)
     lead = spec.lead
 
-    def layout(a: Any):
+    def layout(a: Any) -> tuple[int, int, int] | None:
         st = _elem_strides(a)
         if a.shape[-1] > 1 and st[-1] != 1:
             return None
@@ -151,7 +153,7 @@ def operand(spec: AttentionSpec, x: Any, width: int, aligned16: bool):
     return (x,) + got
 
 
-def mask_operand(spec: AttentionSpec, mask: Any, acc: Any):
+def mask_operand(spec: AttentionSpec, mask: Any, acc: Any) -> tuple[Any, ...]:
     """The dense mask as ``(array, batch, head, row, col strides)``: bool as uint8, float
     cast to the accumulation dtype; broadcast dims get stride 0."""
     import cupy
@@ -162,7 +164,7 @@ def mask_operand(spec: AttentionSpec, mask: Any, acc: Any):
     else:
         m = m.astype(acc)
 
-    def layout(a: Any):
+    def layout(a: Any) -> tuple[int, ...] | None:
         st = _elem_strides(a)
         bs = _batch_stride(tuple(a.shape[:-3]), st[:-3], spec.lead)
         if bs is None:
@@ -173,6 +175,7 @@ def mask_operand(spec: AttentionSpec, mask: Any, acc: Any):
     if got is None:
         m = cupy.ascontiguousarray(cupy.broadcast_to(m, spec.lead + tuple(m.shape[-3:])))
         got = layout(m)
+    assert got is not None  # contiguous over the broadcast leading dims: one batch stride
     return (m,) + got
 
 

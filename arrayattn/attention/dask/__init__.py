@@ -43,13 +43,15 @@ builds the graphs.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from itertools import product
+from typing import Any
 
 from ..._backend import Array, is_dask
 from ..registry import register_implementation
 from ..spec import AttentionSpec
-from .plan import _pad, _plan
+from .plan import _pad, _Plan, _plan
 from .tasks import (
     _backward_block,
     _block_output,
@@ -102,7 +104,16 @@ def _merge_task(level: int, group: list) -> tuple:
     return (_merge, *group)
 
 
-def _row_totals(plan, dsk, blk_name, li, hi, i, cols, state) -> list:
+def _row_totals(
+    plan: _Plan,
+    dsk: dict,
+    blk_name: str,
+    li: tuple[int, ...],
+    hi: int,
+    i: int,
+    cols: list[int],
+    state: Any,
+) -> list:
     """One task per key block ``j`` in ``cols`` of query block ``i``: its exact share of
     each row's softmax total, given the row's merged ``state`` (or LSE); returns their
     keys. Rows a ``finfo.min`` float mask leaves without keys need these totals."""
@@ -135,7 +146,14 @@ def _renormalise_forward(plan, dsk, blk_name, li, hi, i, root, leaves):
 # ---------------------------------------------------------------------------------------
 # Graphs
 # ---------------------------------------------------------------------------------------
-def _tree(dsk: dict, name: str, leaves: list, fan_in: int, make, until: int = 1) -> list:
+def _tree(
+    dsk: dict,
+    name: str,
+    leaves: list,
+    fan_in: int,
+    make: Callable[[int, list], Any],
+    until: int = 1,
+) -> list:
     """Reduce ``leaves`` (keys) in a tree of tasks ``make(*keys)`` until at most ``until``
     keys are left; returns them (the root alone with ``until=1``)."""
     level = 0
@@ -340,14 +358,14 @@ def backward(
     for n, g_name, g_dsk, x in names:
         g = _array(layers, deps, g_name, g_dsk, {blk_name, x.name}, x.chunks, x._meta, x.dtype)
         results[n] = g
-    user = (query, key, value, attn_mask)
+    user: tuple[Array, ...] = (query, key, value, attn_mask)  # a gradient: its input exists
     for n in range(4):
         if results[n] is not None:
             results[n] = xp.reshape(results[n], tuple(user[n].shape))
     return results[0], results[1], results[2], results[3]
 
 
-def _row_factors(plan, dsk: dict, blk_name: str, lse_name: str) -> dict:
+def _row_factors(plan: _Plan, dsk: dict, blk_name: str, lse_name: str) -> dict:
     """Float masks may carry huge biases whose rows the one-process backward renormalises
     over the whole row; with several key blocks, a first pass sums those totals. Returns
     the factor task of each row ``(*lead, head chunk, query block)`` that has one."""
@@ -366,7 +384,9 @@ def _row_factors(plan, dsk: dict, blk_name: str, lse_name: str) -> dict:
     return factors
 
 
-def _backward_blocks(plan, dsk: dict, blk_name: str, row_arrays: tuple, factors: dict) -> dict:
+def _backward_blocks(
+    plan: _Plan, dsk: dict, blk_name: str, row_arrays: tuple, factors: dict
+) -> dict:
     """One task per scheduled block pair (and each multi-block row's ``D`` task) into
     ``dsk``; ``row_arrays`` are the output, LSE, output cotangent and LSE cotangent in
     the rows' chunks (the cotangents may be ``None``). Returns, for each of the four
@@ -389,7 +409,8 @@ def _backward_blocks(plan, dsk: dict, blk_name: str, row_arrays: tuple, factors:
             dsk[done] = (_forward_done, *rows_lse)
         for i in range(len(plan.row_chunks)):
             rk = (*li, hi, i)
-            out_arg, delta = (out_r.name, *rk, 0), None
+            out_arg: tuple[Any, ...] | None = (out_r.name, *rk, 0)
+            delta = None
             if do_r is not None and len(reach[i]) > 1:
                 # D = rowsum(dO * O) once per query block: its block tasks then need
                 # neither the output chunk nor its transfer (they follow the rows' data
@@ -426,7 +447,7 @@ def _backward_blocks(plan, dsk: dict, blk_name: str, row_arrays: tuple, factors:
     return readers
 
 
-def _gradient_layers(plan, dsk: dict, blk_name: str, readers: dict, token: str) -> list:
+def _gradient_layers(plan: _Plan, dsk: dict, blk_name: str, readers: dict, token: str) -> list:
     """For each input that gets a gradient (a mask only when it is a float bias): its
     gradient chunks, each the tree sum (fan-in :data:`SUM_FAN_IN`, inner nodes into
     ``dsk``) of the block tasks that read the input chunk, or zeros where none does.
@@ -440,7 +461,9 @@ def _gradient_layers(plan, dsk: dict, blk_name: str, readers: dict, token: str) 
         for idx in product(*[range(len(c)) for c in x.chunks]):
             parts = readers[n].get(idx, [])
             if not parts:
-                g_dsk[(g_name, *idx)] = (_zeros_like, (x.name, *idx))
+                # (keys built apart: mypy reads d[(a, *b)] as 3.11's d[a, *b])
+                g_key = (g_name, *idx)
+                g_dsk[g_key] = (_zeros_like, (x.name, *idx))
                 continue
 
             def make(level, group, n=n):
@@ -454,7 +477,8 @@ def _gradient_layers(plan, dsk: dict, blk_name: str, readers: dict, token: str) 
                 sum_name = g_name + "-sum-" + "-".join(map(str, idx))
                 task = dsk.pop(_tree(dsk, sum_name, parts, SUM_FAN_IN, make)[0])
             _, picks, *group = task
-            g_dsk[(g_name, *idx)] = (_sum_parts, replace(picks, dtype=x.dtype), *group)
+            g_key = (g_name, *idx)
+            g_dsk[g_key] = (_sum_parts, replace(picks, dtype=x.dtype), *group)
         names.append((n, g_name, g_dsk, x))
     return names
 

@@ -50,16 +50,27 @@ class _Block:
     col0: int
     partial_keys: bool
 
-    def spec(self, q, k, v, mask, q_len, kv_len, alibi=None) -> AttentionSpec:
+    def spec(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        mask: Array | None,
+        q_len: Array | None,
+        kv_len: Array | None,
+        alibi: Array | None = None,
+    ) -> AttentionSpec:
         c = self.call
         # Per-head options only when given (older specs have no such keywords).
         per_head = {} if alibi is None else {"alibi_slopes": alibi}
-        xp_lengths = None
+        # Lengths in block coordinates (make_spec clips them to the block's rows/keys).
+        q_loc = kv_loc = None
         if q_len is not None or kv_len is not None:
             xp_lengths = _namespace(q)
-        # Lengths in block coordinates (make_spec clips them to the block's rows/keys).
-        q_loc = None if q_len is None else xp_lengths.astype(q_len, xp_lengths.int64) - self.row0
-        kv_loc = None if kv_len is None else xp_lengths.astype(kv_len, xp_lengths.int64) - self.col0
+            if q_len is not None:
+                q_loc = xp_lengths.astype(q_len, xp_lengths.int64) - self.row0
+            if kv_len is not None:
+                kv_loc = xp_lengths.astype(kv_len, xp_lengths.int64) - self.col0
         spec = make_spec(
             q,
             k,
@@ -85,6 +96,7 @@ class _Block:
             kv = c.S if kv_len is None else xp.clip(xp.astype(kv_len, xp.int64), 0, c.S)
             ql = c.L if q_len is None else xp.clip(xp.astype(q_len, xp.int64), 0, c.L)
             offset_g = xp.reshape(xp.astype(kv - ql + shift, xp.int32), spec.lead + (1,) * 4)
+            assert c.offset_bounds is not None  # a spec with per-sequence diagonals has them
             lo, hi = c.offset_bounds
             offset_range = (lo + shift, hi + shift)
         return spec.as_block(
@@ -111,8 +123,8 @@ class _Shapes:
     lse: tuple[int, ...]
 
 
-def _pad(x: Array | None, nd: int) -> Array | None:
-    if x is None or x.ndim == nd:
+def _pad(x: Array, nd: int) -> Array:
+    if x.ndim == nd:
         return x
     return x[(None,) * (nd - x.ndim) + (Ellipsis,)]
 
@@ -125,7 +137,8 @@ def _own(size: int, chunks: tuple[int, ...]) -> tuple[int, ...]:
 
 def _round_to_groups(chunks: tuple[int, ...], g: int) -> tuple[int, ...]:
     """Head chunks whose boundaries are moved up to multiples of ``g`` (GQA groups)."""
-    bounds, total = [], 0
+    bounds: list[int] = []
+    total = 0
     for c in chunks:
         total += c
         b = min(-(-total // g) * g, sum(chunks))
@@ -198,7 +211,7 @@ class _Plan:
         of each query block."""
         spec = self.spec
         row_starts, col_starts = _starts(self.row_chunks), _starts(self.col_chunks)
-        reach = {}
+        reach: dict[int, list[int]] = {}
         for i, (r0, n) in enumerate(zip(row_starts, self.row_chunks, strict=True)):
             if n == 0:  # no rows: the empty state has the right (zero-row) shape
                 reach[i] = []
@@ -222,7 +235,7 @@ class _Plan:
         r1, c1 = r0 + self.row_chunks[i], c0 + self.col_chunks[j]
         return not _composed.inside_band(self.spec, r0, r1, c0, c1)
 
-    def block(self, li, hi, i, j) -> _Block:
+    def block(self, li: tuple[int, ...], hi: int, i: int, j: int) -> _Block:
         lead = self.spec.lead
         ranges = []
         for a in range(len(lead)):
@@ -250,7 +263,7 @@ class _Plan:
             product(*[range(len(c)) for c in self.lead_chunks]), range(len(self.head_chunks))
         )
 
-    def shapes(self, li, hi, i) -> _Shapes:
+    def shapes(self, li: tuple[int, ...], hi: int, i: int) -> _Shapes:
         lead = tuple(self.lead_chunks[a][li[a]] for a in range(len(li)))
         rows = lead + (self.head_chunks[hi], self.row_chunks[i])
         return _Shapes(rows + (self.spec.Ev,), rows)
@@ -260,11 +273,14 @@ class _Plan:
         return [x for x in xs if x is not None]
 
 
-def _plan(spec: AttentionSpec, query, key, value, attn_mask, tag: str) -> _Plan:
+def _plan(
+    spec: AttentionSpec, query: Array, key: Array, value: Array, attn_mask: Array | None, tag: str
+) -> _Plan:
     from dask.base import tokenize
 
     nd = len(spec.lead) + 3
-    q, k, v, mask = (_pad(x, nd) for x in (query, key, value, attn_mask))
+    q, k, v = (_pad(x, nd) for x in (query, key, value))
+    mask = None if attn_mask is None else _pad(attn_mask, nd)
     lead = spec.lead
     lead_chunks = []
     for a, n in enumerate(lead):

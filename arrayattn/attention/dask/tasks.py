@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from ..._backend import Array
 from .plan import _Block, _namespace, _Shapes
 
 _HEAP_TUNED: bool | None = None
@@ -86,7 +87,16 @@ def _in_compute_dtype(*arrays):
     return out
 
 
-def _forward_block(blk: _Block, q, k, v, mask, q_len, kv_len, alibi=None):
+def _forward_block(
+    blk: _Block,
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Array | None,
+    q_len: Array | None,
+    kv_len: Array | None,
+    alibi: Array | None = None,
+) -> tuple[Array, Array]:
     from ..registry import select as _select
     from ..threads import one_thread
 
@@ -98,7 +108,7 @@ def _forward_block(blk: _Block, q, k, v, mask, q_len, kv_len, alibi=None):
         return _select(spec, "auto").forward(spec, q, k, v, mask)
 
 
-def _empty_state(shapes: _Shapes, q):
+def _empty_state(shapes: _Shapes, q: Array) -> tuple[Array, Array]:
     """Output 0 and LSE -inf for query rows no key block reaches."""
     xp = _namespace(q)
     from ..._backend import compute_dtype, device_of
@@ -144,7 +154,7 @@ def _block_output(dtype, *block_args):
     return _output(_forward_block(*block_args), dtype)
 
 
-def _pick(i: int, state):
+def _pick(i: int, state: tuple[Any, ...]) -> Any:
     return state[i]
 
 
@@ -154,7 +164,16 @@ def _output(state, dtype):
     return out if out.dtype == dtype else _namespace(out).astype(out, dtype)
 
 
-def _row_total_block(blk: _Block, q, k, mask, lse, q_len, kv_len, alibi=None):
+def _row_total_block(
+    blk: _Block,
+    q: Array,
+    k: Array,
+    mask: Array | None,
+    lse: Array | tuple[Array, Array],
+    q_len: Array | None,
+    kv_len: Array | None,
+    alibi: Array | None = None,
+) -> Array | None:
     """``sum_j exp(S_ij - LSE_i)`` over this block's keys, shaped like the LSE block, or
     ``None`` when no row's ``|LSE|`` is so large that it swallowed ``log(rowsum)`` (see
     ``_composed.RENORMALISE_LSE_ERROR``): rows of Hugging Face ``finfo.min`` biases, which
@@ -197,7 +216,7 @@ def _row_factor(lse, *totals):
     return xp.where(fix, one / xp.where(fix, total, one), one)
 
 
-def _fix_state(n: int, state, *parts):
+def _fix_state(n: int, state: tuple[Array, Array], *parts: Any) -> tuple[Array, Array]:
     """The merged ``(out, lse)`` with rows whose huge LSE swallowed the blocks' sizes
     (``finfo.min`` bias rows: every ``lse_j`` rounds to the same value, so the LSE merge
     weighs blocks equally) re-weighted by each block's exact total ``sum exp(S - LSE)``,
@@ -214,6 +233,7 @@ def _fix_state(n: int, state, *parts):
         term = xp.astype(t, cd)[..., None] * xp.astype(o, cd)
         total = t if total is None else total + t
         num = term if num is None else num + term
+    assert total is not None  # the parts have totals: all None returned above
     fix = xp.logical_and(_needs_total(xp, cd, lse), total > 0)
     one = xp.ones_like(total)
     fixed = num / xp.where(fix, total, one)[..., None]
@@ -221,7 +241,7 @@ def _fix_state(n: int, state, *parts):
     return out, lse
 
 
-def _forward_done(*lse_blocks) -> None:
+def _forward_done(*lse_blocks: Any) -> None:
     """Nothing, once every LSE block it is given exists: the backward block tasks of a
     (batch chunk, head chunk) with several query blocks take it as their first argument,
     so that they start once that cell's whole forward has run (see :func:`backward`)."""
@@ -231,20 +251,20 @@ def _forward_done(*lse_blocks) -> None:
 def _backward_block(
     forward_done: None,
     blk: _Block,
-    q,
-    k,
-    v,
-    mask,
-    out,
-    lse,
-    d_out,
-    d_lse,
-    q_len,
-    kv_len,
-    factor=None,
-    alibi=None,
-    delta=None,
-):
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Array | None,
+    out: Array,
+    lse: Array,
+    d_out: Array | None,
+    d_lse: Array | None,
+    q_len: Array | None,
+    kv_len: Array | None,
+    factor: Array | None = None,
+    alibi: Array | None = None,
+    delta: Array | None = None,
+) -> tuple[Array | None, ...]:
     from ..registry import select as _select
     from ..threads import one_thread
 
@@ -295,7 +315,7 @@ class _Picks:
     dtype: Any = None
 
 
-def _sum_parts(picks: _Picks, *parts):
+def _sum_parts(picks: _Picks, *parts: Any) -> Array:
     """The sum of the picked parts, in ``picks.dtype`` when given. The parts are in the
     compute dtype already (float32/float64: ``_backward_block`` runs on operands in it),
     so they add up without copies and the input dtype's rounding happens once, here."""

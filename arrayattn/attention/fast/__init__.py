@@ -60,6 +60,12 @@ def numpy_spec(spec: AttentionSpec, bridge: NumpyBridge) -> AttentionSpec:
     return dataclasses.replace(spec, xp=xp, device="cpu", dtype=dtype, cdtype=cdtype, **views)
 
 
+def _bridge(spec: AttentionSpec) -> NumpyBridge:
+    bridge = numpy_bridge(spec.xp, spec.device)
+    assert bridge is not None  # declines() refuses a library that has none
+    return bridge
+
+
 class FastPath:
     """The registered ``"fast"`` implementation: NumPy arrays directly, and PyTorch CPU
     tensors through zero-copy NumPy views (``_backend.numpy_bridge``): inputs are viewed,
@@ -73,7 +79,7 @@ class FastPath:
         arguments' library."""
         if is_numpy(spec.xp):
             return _forward.forward(spec, query, key, value, attn_mask)
-        bridge = numpy_bridge(spec.xp, spec.device)
+        bridge = _bridge(spec)
         views = (bridge.to_numpy(x) for x in (query, key, value, attn_mask))
         out, lse = _forward.forward(numpy_spec(spec, bridge), *views)
         return bridge.from_numpy(out), bridge.from_numpy(lse)
@@ -94,7 +100,7 @@ class FastPath:
         :func:`arrayattn.attention.fast.backward.backward`, in the arguments' library."""
         if is_numpy(spec.xp):
             return _backward.backward(spec, query, key, value, attn_mask, out, lse, d_out, d_lse)
-        bridge = numpy_bridge(spec.xp, spec.device)
+        bridge = _bridge(spec)
         arrays = (query, key, value, attn_mask, out, lse, d_out, d_lse)
         grads = _backward.backward(numpy_spec(spec, bridge), *(bridge.to_numpy(x) for x in arrays))
         return tuple(bridge.from_numpy(g) for g in grads)

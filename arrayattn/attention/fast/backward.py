@@ -98,7 +98,9 @@ def _scaled_query(spec, lay, b, h, r0, r1, out):
 # Backward
 # ---------------------------------------------------------------------------------------
 class _BwdState:
-    def __init__(self, rows: int, keys: int, E: int, Ev: int, cd: np.dtype, spec):
+    def __init__(
+        self, rows: int, keys: int, E: int, Ev: int, cd: np.dtype, spec: AttentionSpec
+    ) -> None:
         self.e = _Scratch(rows, keys, cd)
         self.dp = _Scratch(rows, keys, cd)
         self.t = _Scratch(rows, keys, cd) if spec.softcap is not None else None
@@ -255,6 +257,8 @@ def backward(
     d_value = _reduce(spec, dv_f, spec.v_shape, spec.dtype)
     d_mask = None
     if d_mask_acc is not None:
+        # (a float mask's gradient: there is a mask, with its shape)
+        assert attn_mask is not None and spec.mask_shape is not None
         d_mask = _reduce(spec, d_mask_acc, spec.mask_shape, attn_mask.dtype)
     return d_query, d_key, d_value, d_mask
 
@@ -324,7 +328,7 @@ def _reduce(spec, x, shape, dtype):
     return x.reshape(shape).astype(dtype, copy=False)
 
 
-def _mask_groups(spec, lay, nb: int) -> list[list[tuple[int, int]]]:
+def _mask_groups(spec: AttentionSpec, lay: _Layout, nb: int) -> list[list[tuple[int, int]]]:
     """``(batch index, KV head)`` pairs grouped by the float-mask elements their
     gradients reach (one pair per group without a float mask), in a fixed order."""
     pairs = [(bi, hk) for bi in range(nb) for hk in range(spec.Hkv)]

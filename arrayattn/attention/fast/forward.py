@@ -289,6 +289,7 @@ def _rows(spec, lay, st, bi, hk, h0, h1, r0, r1, c_lo, c_hi, width, out_t, lse_t
         if static:
             np.exp(s, out=s)
         else:
+            assert m is not None  # set when not static
             m_new = np.maximum(m, np.max(s, axis=1))
             shift = np.where(np.isfinite(m_new), m_new, 0.0).astype(cd, copy=False)
             if not first:
@@ -328,6 +329,7 @@ def _rows(spec, lay, st, bi, hk, h0, h1, r0, r1, c_lo, c_hi, width, out_t, lse_t
             return False
         np.log(l_sum, out=lse_r)
     else:
+        assert m is not None  # set when not static
         shift = np.where(np.isfinite(m), m, 0.0)
         with np.errstate(divide="ignore"):
             np.add(shift, np.log(l_sum), out=lse_r)

@@ -103,6 +103,11 @@ def declines(spec: AttentionSpec) -> str | None:
                 "path (use arrayattn.vjp on detached tensors, or torch.no_grad())"
             )
         dtype = bridge.dtype(spec.dtype)  # None: NumPy has no such dtype (bfloat16)
+        if spec.mask_kind == "float" and bridge.dtype(spec.mask_dtype) is None:
+            return (
+                f"the NumPy fast path cannot view a {spec.mask_dtype} attn_mask (NumPy has "
+                "no such dtype); cast the mask to the inputs' dtype"
+            )
     if dtype is None or np.dtype(dtype) not in _SUPPORTED_DTYPES:
         return f"the NumPy fast path supports float16/float32/float64, got {spec.dtype}"
     if min(spec.L, spec.S, spec.E, spec.Ev) == 0:
@@ -116,12 +121,21 @@ def declines(spec: AttentionSpec) -> str | None:
 class _Layout:
     """Broadcast views of the inputs in ``(*lead, heads, seq, dim)`` and index helpers."""
 
-    def __init__(self, spec: AttentionSpec, query, key, value, attn_mask):
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        query: np.ndarray,
+        key: np.ndarray,
+        value: np.ndarray,
+        attn_mask: np.ndarray | None,
+    ) -> None:
         self.spec = spec
         cd = np.dtype(spec.cdtype)
         self.cd = cd
         nd = len(spec.lead) + 3
-        self.lead_index = list(np.ndindex(*spec.lead)) if spec.lead else [()]
+        self.lead_index: list[tuple[int, ...]] = (
+            list(np.ndindex(*spec.lead)) if spec.lead else [()]
+        )
         self._raw: dict[str, np.ndarray] = {}
         self.q = self._view("q", query, spec.q_shape, nd, (spec.Hq, spec.L, spec.E), cd)
         self.k = self._view("k", key, spec.k_shape, nd, (spec.Hkv, spec.S, spec.E), cd)
@@ -130,7 +144,7 @@ class _Layout:
         if attn_mask is not None:
             m = np.asarray(attn_mask)
             m = m.reshape((1,) * (nd - m.ndim) + m.shape)
-            self.mask_padded_shape = m.shape
+            self.mask_padded_shape: tuple[int, ...] = m.shape
             self.mask = np.broadcast_to(m, spec.lead + (spec.Hq, spec.L, spec.S))
         self.scale = spec.scale
         # Per-sequence lengths: rows >= q_len are empty, keys >= kv_len excluded, and
@@ -285,7 +299,9 @@ def _blocked_out(st: Structure, r0: int, r1: int, c0: int, c1: int) -> np.ndarra
     if excluded is None:
         rows = np.arange(r0, r1, dtype=np.int32).reshape(-1, 1)
         cols = np.arange(c0, c1, dtype=np.int32)
-        excluded = np.logical_not(structural_allowed(np, st, rows, cols))
+        allowed = structural_allowed(np, st, rows, cols)
+        assert allowed is not None  # the block is not fully visible: something is masked
+        excluded = np.logical_not(allowed)
         if len(_EXCLUDED_CACHE) > 512:
             _EXCLUDED_CACHE.clear()
         _EXCLUDED_CACHE[key] = excluded
@@ -295,7 +311,7 @@ def _blocked_out(st: Structure, r0: int, r1: int, c0: int, c1: int) -> np.ndarra
 _ALIBI_CACHE: dict[tuple[int, ...], np.ndarray] = {}
 
 
-def _alibi_distance(st: Structure, r0: int, r1: int, c0: int, c1: int, cd) -> np.ndarray:
+def _alibi_distance(st: Structure, r0: int, r1: int, c0: int, c1: int, cd: Any) -> np.ndarray:
     """``|i + offset - j|`` for rows ``[r0, r1)`` x keys ``[c0, c1)`` in ``cd``: ALiBi's
     distance from the aligned diagonal. It depends only on the block's shape and the
     diagonal's position, so it is cached like the structural masks."""
@@ -311,7 +327,17 @@ def _alibi_distance(st: Structure, r0: int, r1: int, c0: int, c1: int, cd) -> np
     return dist
 
 
-def _add_alibi(lay, structure, b, h, r0, r1, c0, c1, s) -> None:
+def _add_alibi(
+    lay: _Layout,
+    structure: Structure,
+    b: tuple[int, ...],
+    h: int,
+    r0: int,
+    r1: int,
+    c0: int,
+    c1: int,
+    s: np.ndarray,
+) -> None:
     """``s -= slope_(b,h) * |i + offset - j|`` in place (ALiBi, after the softcap)."""
     if lay.alibi is None:
         return
@@ -320,7 +346,7 @@ def _add_alibi(lay, structure, b, h, r0, r1, c0, c1, s) -> None:
     np.subtract(s, dist * slope, out=s)
 
 
-def _merge_sinks(lay, out: np.ndarray, lse: np.ndarray) -> None:
+def _merge_sinks(lay: _Layout, out: np.ndarray, lse: np.ndarray) -> None:
     """Fold the sinks into the whole normalised output and its LSE, in place:
     ``LSE' = logaddexp(LSE, sink)``, ``out *= exp(LSE - LSE')`` (rows with no key get
     output 0 and ``LSE' = sink``), as ``_composed.merge_sinks``."""
@@ -334,7 +360,9 @@ def _merge_sinks(lay, out: np.ndarray, lse: np.ndarray) -> None:
     lse[...] = new
 
 
-def _key_spans(st: Structure, r0: int, r1: int, c_lo: int, c_hi: int, width: int):
+def _key_spans(
+    st: Structure, r0: int, r1: int, c_lo: int, c_hi: int, width: int
+) -> list[tuple[int, int]]:
     """Key blocks of at most ``width`` covering ``[c_lo, c_hi)`` for rows ``[r0, r1)``,
     cut so that the keys every row sees form whole blocks and only the (narrow) window
     edges need a structural mask."""
@@ -384,7 +412,7 @@ class _Scratch:
         return self._flat[: rows.stop * keys.stop].reshape(rows.stop, keys.stop)
 
 
-def _static_bounds(spec: AttentionSpec, lay: _Layout):
+def _static_bounds(spec: AttentionSpec, lay: _Layout) -> tuple[np.ndarray, float] | None:
     """Per-(batch, query head, row) upper bound on ``|score|`` (or ``None`` when a float
     mask rules the static shift out), and the extra log-room the sums need.
 

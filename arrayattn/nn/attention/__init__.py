@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 from ..._backend import Array
 from .._cotangents import Cotangents
@@ -252,6 +252,64 @@ class MultiHeadAttention(AttentionConfig):
         )
 
     # -- forward and backward ---------------------------------------------------------
+    # For type checkers: the output alone, or with need_weights=True (output, weights).
+    @overload
+    def __call__(
+        self,
+        params: Mapping[str, Array],
+        x: Array,
+        context: Array | None = None,
+        *,
+        value: Array | None = None,
+        attn_mask: Array | None = None,
+        positions: Array | int | None = None,
+        freqs: Array | None = None,
+        lengths: Any = None,
+        padding_side: str = "right",
+        cache: KVCache | PagedKVCache | None = None,
+        training: bool = False,
+        seed: int | None = None,
+        need_weights: Literal[False] = False,
+        average_attn_weights: bool = True,
+    ) -> Array: ...
+    @overload
+    def __call__(
+        self,
+        params: Mapping[str, Array],
+        x: Array,
+        context: Array | None = None,
+        *,
+        value: Array | None = None,
+        attn_mask: Array | None = None,
+        positions: Array | int | None = None,
+        freqs: Array | None = None,
+        lengths: Any = None,
+        padding_side: str = "right",
+        cache: KVCache | PagedKVCache | None = None,
+        training: bool = False,
+        seed: int | None = None,
+        need_weights: Literal[True],
+        average_attn_weights: bool = True,
+    ) -> tuple[Array, Array]: ...
+    @overload
+    def __call__(
+        self,
+        params: Mapping[str, Array],
+        x: Array,
+        context: Array | None = None,
+        *,
+        value: Array | None = None,
+        attn_mask: Array | None = None,
+        positions: Array | int | None = None,
+        freqs: Array | None = None,
+        lengths: Any = None,
+        padding_side: str = "right",
+        cache: KVCache | PagedKVCache | None = None,
+        training: bool = False,
+        seed: int | None = None,
+        need_weights: bool = False,
+        average_attn_weights: bool = True,
+    ) -> Array | tuple[Array, Array]: ...
     def __call__(
         self,
         params: Mapping[str, Array],

@@ -73,6 +73,7 @@ def backward(
     elif info["separate_value"]:
         d_context, d_value = d_src_k, d_src_v
     else:
+        assert d_src_k is not None  # cross-attention projects the context on its own
         d_context = d_src_k + d_src_v
     if info["left"]:
         (d_x,) = pullbacks["roll_x"](d_x)

@@ -12,7 +12,11 @@ from ..kv_cache import KVCache
 from ..paged_kv_cache import PagedKVCache
 from .config import AttentionConfig
 
-__all__ = ["new_cache", "new_paged_cache", "cached_attention"]
+__all__ = ["new_cache", "new_paged_cache", "cached_attention", "SdpaArgs"]
+
+#: The positional options of an attention call after q, k, v:
+#: ``(attn_mask, dropout_p, is_causal, scale, enable_gqa)``.
+SdpaArgs = tuple[Array | None, float, bool, float | None, bool]
 
 
 def new_cache(
@@ -70,7 +74,7 @@ def cached_attention(
     vh: Array,
     n_new: tuple[int, ...],
     cross: bool,
-    sdpa_args: tuple[Any, ...],
+    sdpa_args: SdpaArgs,
     opts: dict[str, Any],
 ) -> tuple[Array, Array | None, dict[str, Array]]:
     L = int(qh.shape[-2])
@@ -120,7 +124,9 @@ def cached_attention(
         if not full_q:
             lens["q_lengths"] = xp.asarray(list(n_new), dtype=xp.int64, device=device_of(qh))
             lens.setdefault("kv_lengths", cache.kv_lengths(xp))
-        o = scaled_dot_product_attention(
+        # The ignore: mypy (2.4) maps a *tuple followed by two **dicts onto the tuple's
+        # parameters again (so no overload matches); opts and lens hold other keywords.
+        o = scaled_dot_product_attention(  # type: ignore[call-overload]
             qh, keys, values, *sdpa_args, **opts, implementation=cfg.implementation, **lens
         )
         return o, keys, lens

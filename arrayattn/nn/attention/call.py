@@ -59,7 +59,8 @@ def check_call(
             raise ValueError(
                 f"{name} must have shape (..., S, {dim}={width}), got {tuple(a.shape)}"
             )
-    if value is not None and value.shape[-2] != context.shape[-2]:
+    # (value without context was refused above: context is not None here)
+    if value is not None and context is not None and value.shape[-2] != context.shape[-2]:
         raise ValueError(
             f"value and context must have the same length S, got shapes "
             f"{tuple(value.shape)} and {tuple(context.shape)}"
@@ -71,12 +72,15 @@ def check_call(
         )
     if attn_mask is not None and not array_api_compat.is_array_api_obj(attn_mask):
         raise TypeError(f"attn_mask must be an array or None, got {type(attn_mask).__name__}")
-    if attn_mask is not None and not (
-        attn_mask.dtype == xp.bool or xp.isdtype(attn_mask.dtype, "real floating")
+    # is_array_api_obj narrows attn_mask to array_api_compat's array types, one of them a
+    # protocol without .dtype; every array-API array has one.
+    mask_dtype = None if attn_mask is None else attn_mask.dtype  # type: ignore[union-attr]
+    if mask_dtype is not None and not (
+        mask_dtype == xp.bool or xp.isdtype(mask_dtype, "real floating")
     ):
         raise TypeError(
             f"attn_mask must be bool (True = takes part) or real floating (added to the "
-            f"scores), got {attn_mask.dtype}"
+            f"scores), got {mask_dtype}"
         )
     check_positions(mha, x, positions, freqs)
     L = int(x.shape[-2])

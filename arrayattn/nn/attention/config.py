@@ -97,7 +97,8 @@ class AttentionConfig:
         if _real("rope_theta", self.rope_theta) <= 0:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta!r}")
         _real("scale", self.scale, optional=True)
-        if self.softcap is not None and _real("softcap", self.softcap, optional=True) <= 0:
+        softcap = _real("softcap", self.softcap, optional=True)
+        if softcap is not None and softcap <= 0:
             raise ValueError(f"softcap must be > 0 or None, got {self.softcap!r}")
         if self.window is not None:
             w = self.window

@@ -115,7 +115,9 @@ def run(
         rot = layer_rope_frequencies(cfg, xp, x, positions, freqs, plan["starts"])
         qh = call("q_rope", apply_rope, qh, rot, layout=cfg.rope)
     if reuse:
-        # A filled cross-attention cache already holds the context's keys and values.
+        # A filled cross-attention cache already holds the context's keys and values
+        # (check_call refuses a PagedKVCache with context).
+        assert isinstance(cache, KVCache)
         kh, vh = cache.filled()
     else:
         if full_norm:
@@ -152,7 +154,9 @@ def run(
             cfg, xp, cache, qh, kh, vh, n_new, cross, sdpa_args, opts
         )
         if need_weights:
-            weights = attention_weights(qh, kh_all, *sdpa_args, **opts, **lens)
+            # The ignore: mypy (2.4) maps a *tuple followed by two **dicts onto the tuple's
+            # parameters again ("multiple values"); opts and lens hold other keywords.
+            weights = attention_weights(qh, kh_all, *sdpa_args, **opts, **lens)  # type: ignore[misc]
     else:
         lens = {}
         if plan["lengths_array"] is not None:
@@ -169,7 +173,7 @@ def run(
             **lens,
         )
         if need_weights:
-            weights = attention_weights(qh, kh, *sdpa_args, **opts, **lens)
+            weights = attention_weights(qh, kh, *sdpa_args, **opts, **lens)  # type: ignore[misc]
     om = call("merge", merge_heads, o)
     out = call("o_proj", linear, om, p["o_proj.weight"], p.get("o_proj.bias"))
     if left:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import array_api_compat
 
@@ -17,6 +17,12 @@ from .config import AttentionConfig
 __all__ = ["Params", "init_params", "load_params", "check_params"]
 
 Params = dict[str, Array]
+
+
+class _HasParamShapes(Protocol):
+    """What loading and checking read of a configuration: the nn layers pass themselves."""
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]: ...
 
 
 def init_params(
@@ -42,7 +48,7 @@ def init_params(
 
 
 def load_params(
-    cfg: AttentionConfig,
+    cfg: _HasParamShapes,
     state_dict: Mapping[str, Any],
     *,
     prefix: str = "",
@@ -71,9 +77,10 @@ def load_params(
             continue
         name = key[len(prefix) :]
         if rename is not None:
-            name = rename.get(name, name) if isinstance(rename, Mapping) else rename(name)
-            if name is None:
+            renamed = rename.get(name, name) if isinstance(rename, Mapping) else rename(name)
+            if renamed is None:
                 continue
+            name = renamed
         if name in found:
             raise ValueError(
                 f"state_dict names {found[name][0]!r} and {key!r} both map to {name!r}"
@@ -92,7 +99,7 @@ def load_params(
     return params
 
 
-def check_params(cfg: AttentionConfig, params: Mapping[str, Array]) -> None:
+def check_params(cfg: _HasParamShapes, params: Mapping[str, Array]) -> None:
     """Raise when ``params`` does not fit (:meth:`MultiHeadAttention.check_params`)."""
     if not isinstance(params, Mapping):
         raise TypeError(

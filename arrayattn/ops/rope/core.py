@@ -13,7 +13,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-from ..._autodiff import register_vjp
+from ..._autodiff import Pullback, register_vjp
 from ..._backend import (
     Array,
     broadcast_shapes,
@@ -235,11 +235,13 @@ def apply_rope(x: Array, freqs: Array, *, layout: str = "interleaved") -> Array:
 
 
 @register_vjp(apply_rope)
-def _apply_rope_vjp(x: Array, freqs: Array, *, layout: str = "interleaved"):
+def _apply_rope_vjp(
+    x: Array, freqs: Array, *, layout: str = "interleaved"
+) -> tuple[Array, Pullback]:
     xp, F = _check_apply(x, freqs, layout)
     out = _rotate(xp, x, freqs, F, layout)
 
-    def pullback(dy: Array):
+    def pullback(dy: Array) -> tuple[Array, None]:
         if tuple(dy.shape) != tuple(out.shape):
             raise ValueError(f"cotangent has shape {tuple(dy.shape)}, expected {tuple(out.shape)}")
         dx = _rotate(xp, dy, xp.conj(freqs), F, layout)

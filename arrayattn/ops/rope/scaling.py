@@ -103,17 +103,21 @@ def _require(params: Mapping[str, Any], key: str, rope_type: str) -> float:
     return _positive(f"rope_scaling[{key!r}]", params[key])
 
 
+# What each rope type's init function returns: the inverse frequencies and the attention factor.
+_Freqs = tuple[list[float], float]
+
+
 def _ladder(base: float, dim: int) -> list[float]:
     # HF: 1 / base ** (arange(0, dim, 2) / dim)
     return [1.0 / base ** (i / dim) for i in range(0, dim, 2)]
 
 
-def _linear(params: dict, base: float, dim: int, mpe: int | None, seq_len: int | None):
+def _linear(params: dict, base: float, dim: int, mpe: int | None, seq_len: int | None) -> _Freqs:
     factor = _require(params, "factor", "linear")
     return [f / factor for f in _ladder(base, dim)], 1.0
 
 
-def _dynamic(params: dict, base: float, dim: int, mpe: int | None, seq_len: int | None):
+def _dynamic(params: dict, base: float, dim: int, mpe: int | None, seq_len: int | None) -> _Freqs:
     factor = _require(params, "factor", "dynamic")
     if mpe is None:
         raise ValueError("rope_type 'dynamic' needs max_position_embeddings=, got None")
@@ -125,7 +129,7 @@ def _dynamic(params: dict, base: float, dim: int, mpe: int | None, seq_len: int 
     return _ladder(base, dim), 1.0
 
 
-def _llama3(params: dict, base: float, dim: int, mpe: int | None, seq_len: int | None):
+def _llama3(params: dict, base: float, dim: int, mpe: int | None, seq_len: int | None) -> _Freqs:
     factor = _require(params, "factor", "llama3")
     low_freq_factor = _require(params, "low_freq_factor", "llama3")
     high_freq_factor = _require(params, "high_freq_factor", "llama3")
@@ -151,7 +155,7 @@ def _mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _yarn(params: dict, base: float, dim: int, mpe: int | None, seq_len: int | None):
+def _yarn(params: dict, base: float, dim: int, mpe: int | None, seq_len: int | None) -> _Freqs:
     original = int(params["original_max_position_embeddings"])
     factor = params.get("factor")
     if factor is None:  # DeepSeek-V3: the ratio of the two lengths
@@ -188,7 +192,7 @@ def _yarn(params: dict, base: float, dim: int, mpe: int | None, seq_len: int | N
     return out, float(attention_factor)
 
 
-def _longrope(params: dict, base: float, dim: int, mpe: int | None, seq_len: int | None):
+def _longrope(params: dict, base: float, dim: int, mpe: int | None, seq_len: int | None) -> _Freqs:
     original = int(params["original_max_position_embeddings"])
     factor = params.get("factor")
     if factor is None:  # Phi-3: the ratio of the two lengths
