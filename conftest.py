@@ -6,7 +6,10 @@ framework is not installed, their modules are not collected rather than failing 
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+
+import pytest
 
 collect_ignore_glob: list[str] = []
 
@@ -16,3 +19,42 @@ for _framework in ("torch", "jax"):
     _spec = importlib.util.find_spec(_framework)
     if _spec is None or _spec.origin is None:
         collect_ignore_glob.append(f"arrayattn/{_framework}/*.py")
+
+
+
+_OPTIONAL = ("torch", "jax", "dask", "cupy", "array_api_strict", "transformers", "safetensors")
+
+
+def _installed(name: str) -> bool:
+    spec = importlib.util.find_spec(name)
+    return spec is not None and spec.origin is not None
+
+
+def _imports(example: object) -> set[str]:
+    """The top-level modules one doctest example imports."""
+    try:
+        tree = ast.parse(getattr(example, "source", ""))
+    except SyntaxError:
+        return set()
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.partition(".")[0])
+    return names
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip a docstring example that imports an optional library which is not installed
+    (the package's own doctests show torch, Dask and CuPy calls), naming the library."""
+    missing = {name for name in _OPTIONAL if not _installed(name)}
+    if not missing:
+        return
+    for item in items:
+        dtest = getattr(item, "dtest", None)  # a DoctestItem's parsed docstring
+        if dtest is None:
+            continue
+        needed = sorted(set().union(*map(_imports, dtest.examples)) & missing)
+        if needed:
+            item.add_marker(pytest.mark.skip(reason=f"needs {', '.join(needed)}, not installed"))

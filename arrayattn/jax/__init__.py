@@ -14,7 +14,7 @@ from __future__ import annotations
 try:
     import jax as _jax  # noqa: F401
 except ImportError as error:  # pragma: no cover (JAX is installed where tests run)
-    raise ImportError(
+    raise ModuleNotFoundError(
         "arrayattn.jax needs JAX, which is not installed: pip install 'arrayattn[jax]' "
         "(jax and jaxlib); arrayattn itself runs without it"
     ) from error

@@ -22,7 +22,7 @@ def _require_torch() -> None:
     try:
         import torch
     except ImportError as e:
-        raise ImportError(
+        raise ModuleNotFoundError(
             "arrayattn.torch needs PyTorch, which is not installed: pip install torch "
             "(or pip install 'arrayattn[torch]')"
         ) from e

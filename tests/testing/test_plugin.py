@@ -60,6 +60,7 @@ def _count(res: subprocess.CompletedProcess, word: str) -> int:
 
 
 def test_xp_fixture_in_a_user_project(tmp_path):
+    pytest.importorskip("array_api_strict")  # the run below selects it
     (tmp_path / "test_user.py").write_text(USER_TEST)
     res = _pytest(*PLUGIN, "--backends", "numpy,array_api_strict", "-vv", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 import arrayattn as aa
 
-aat = pytest.importorskip("arrayattn.torch")
+pytest.importorskip("torch")
+import arrayattn.torch as aat  # noqa: E402
 import torch  # noqa: E402  (after the skip: torch is optional)
 from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
