@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 import arrayattn as aa
 
 pytest.importorskip("torch")
-import arrayattn.torch as aat  # noqa: E402
 import torch  # noqa: E402  (after the skip: torch is optional)
 from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
+import arrayattn.torch as aat  # noqa: E402
 from arrayattn.torch import _call, _function  # noqa: E402
 
 F = torch.nn.functional
