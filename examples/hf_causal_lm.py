@@ -100,19 +100,14 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
 
 
 def load_model_dir(model_dir: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """``(config, tensors)`` of a Hugging Face model directory: ``config.json`` (plus
-    ``generation_config.json``'s token ids where the config lacks them) and every tensor of
-    ``model.safetensors`` or of the shards ``model.safetensors.index.json`` lists (else all
-    ``*.safetensors`` files)."""
+    """``(config, tensors)`` of a Hugging Face model directory: ``config.json`` and every
+    tensor of ``model.safetensors`` or of the shards ``model.safetensors.index.json`` lists
+    (else all ``*.safetensors`` files). The token ids generation uses are
+    :func:`generation_token_ids`'s."""
     d = Path(model_dir)
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"--model-dir {d} has no config.json (a save_pretrained dir)")
     config = json.loads((d / "config.json").read_text())
-    gen = d / "generation_config.json"
-    if gen.is_file():
-        for key, value in json.loads(gen.read_text()).items():
-            if key.endswith("token_id") and config.get(key) is None:
-                config[key] = value
     index = d / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -126,6 +121,45 @@ def load_model_dir(model_dir: str | Path) -> tuple[dict[str, Any], dict[str, np.
     for f in files:
         tensors.update(read_safetensors(d / f))
     return config, tensors
+
+
+GENERATION_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def generation_token_ids(
+    config: Mapping[str, Any], model_dir: str | Path | None = None
+) -> dict[str, Any]:
+    """The special token ids ``generate()`` uses, found where transformers finds them:
+    all from ``generation_config.json`` when the directory has one (ids it lacks are
+    ``None``, as in transformers, even where ``config.json`` has them), else from the
+    model config (its top level, then a ``decoder``/``generator``/``text_config`` section, as
+    ``GenerationConfig.from_model_config`` reads it). ``eos_token_id`` comes back as a
+    list (one id or several, in the file's order) or ``None``.
+
+    Examples:
+        >>> generation_token_ids({"eos_token_id": 2, "pad_token_id": None})
+        {'bos_token_id': None, 'eos_token_id': [2], 'pad_token_id': None}
+    """
+    source: Mapping[str, Any] = config
+    gen = None if model_dir is None else Path(model_dir) / "generation_config.json"
+    if gen is not None and gen.is_file():
+        source = json.loads(gen.read_text())
+        if not isinstance(source, dict):
+            raise ValueError(f"{gen}: expected a JSON object, got {type(source).__name__}")
+    out: dict[str, Any] = {}
+    for key in GENERATION_TOKENS:
+        value = source.get(key)
+        if value is None and source is config:
+            for section in ("decoder", "generator", "text_config"):
+                sub = config.get(section)
+                if isinstance(sub, Mapping) and sub.get(key) is not None:
+                    value = sub[key]
+                    break
+        out[key] = value
+    eos = out["eos_token_id"]
+    if eos is not None:
+        out["eos_token_id"] = [eos] if isinstance(eos, int) else list(eos)
+    return out
 
 
 # -- the model ---------------------------------------------------------------------------
@@ -483,21 +517,23 @@ class CausalLM:
         """New tokens ``(B, T)`` (host int64) for prompts of different lengths, decoded
         together from one cache per layer: greedy with ``temperature=0``, else sampled
         (``top_k``, ``top_p``). A row that emits ``eos_token_id`` is finished: its later
-        tokens are ``pad_token_id`` (as Hugging Face's ``generate``); decoding stops when
-        every row has finished (``T`` may then be below ``max_new_tokens``)."""
+        tokens are ``pad_token_id``, or the first EOS id without one (as Hugging Face's
+        ``generate``); decoding stops when every row has finished (``T`` may then be below
+        ``max_new_tokens``)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token id lists")
         B = len(prompts)
         lengths = [len(p) for p in prompts]
         L = max(lengths)
         eos = (
-            set()
+            []
             if eos_token_id is None
-            else {eos_token_id}
+            else [eos_token_id]
             if isinstance(eos_token_id, int)
-            else set(eos_token_id)
+            else list(dict.fromkeys(eos_token_id))
         )
-        pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
+        # As generate(): without a pad id, finished rows are padded with the first EOS id.
+        pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
         ids = np.full((B, L), pad, dtype=np.int64)
         for b, p in enumerate(prompts):
             ids[b, L - len(p) :] = p
@@ -634,6 +670,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     model = CausalLM.from_pretrained(args.model_dir, xp=xp, dtype=getattr(xp, args.dtype))
+    special = generation_token_ids(model.config, args.model_dir)
     print(
         f"loaded {model.family} ({len(model.layers)} layers) on {args.device} "
         f"{args.dtype} in {time.perf_counter() - t0:.2f} s",
@@ -647,8 +684,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
-        eos_token_id=model.config.get("eos_token_id"),
-        pad_token_id=model.config.get("pad_token_id"),
+        eos_token_id=special["eos_token_id"],
+        pad_token_id=special["pad_token_id"],
         paged=args.cache == "paged",
         progress=None if args.no_progress else progress_bar(),
         stats=stats,

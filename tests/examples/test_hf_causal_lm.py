@@ -354,3 +354,75 @@ def test_loading_errors_name_the_problem(saved):
         )
     with pytest.raises(ValueError, match="--prompt-ids must be comma-separated ints"):
         hf.parse_prompt_ids("1,x;2")
+
+
+def _edit_json(path: Path, **changes):
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    "layout", ["list_in_generation_config", "list_in_config_only", "generation_config_without_eos"]
+)
+def test_eos_and_pad_ids_are_found_where_generate_finds_them(saved, tmp_path, capsys, layout):
+    """Checkpoints often carry one EOS id in config.json and a list in
+    generation_config.json: generate() uses the latter (the whole file, when there is one)
+    and, without a pad id, pads finished rows with the first EOS id. The runner must stop
+    and pad exactly where generate() does."""
+    src, oracle = saved("llama")
+    d = Path(shutil.copytree(src, tmp_path / "llama"))
+    prompts, ids, mask = padded_batch()
+    free = hf.CausalLM.from_pretrained(d, dtype=np.float64).generate(prompts, NEW_TOKENS)
+    stop, other = int(free[0, 1]), int(free[1, 0])  # row 0 ends at step 2, row 1 at once
+    eos_list = [stop, other] if stop != other else [stop]
+    config, gen = d / "config.json", d / "generation_config.json"
+    _edit_json(config, pad_token_id=None, eos_token_id=other)
+    if layout == "list_in_generation_config":
+        _edit_json(gen, pad_token_id=None, eos_token_id=eos_list)
+    elif layout == "list_in_config_only":
+        gen.unlink()
+        _edit_json(config, eos_token_id=eos_list)
+    else:
+        _edit_json(gen, pad_token_id=None, eos_token_id=None)
+
+    # transformers' own reading of the directory, and its generate() with it
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(d).generation_config
+    special = hf.generation_token_ids(json.loads(config.read_text()), d)
+    expected_eos = loaded.eos_token_id
+    if isinstance(expected_eos, int):
+        expected_eos = [expected_eos]
+    assert special["eos_token_id"] == expected_eos
+    assert special["pad_token_id"] == loaded.pad_token_id is None
+    oracle.generation_config = loaded
+    with hf_float64(), torch.no_grad():
+        seq = oracle.generate(
+            input_ids=torch.from_numpy(ids),
+            attention_mask=torch.from_numpy(mask),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+        )
+    expected = seq[:, ids.shape[1] :].numpy()
+
+    model = hf.CausalLM.from_pretrained(d, dtype=np.float64)
+    new = model.generate(
+        prompts, NEW_TOKENS, **{k: special[k] for k in ("eos_token_id", "pad_token_id")}
+    )
+    np.testing.assert_array_equal(new, expected)
+    if layout == "generation_config_without_eos":
+        assert new.shape[1] == NEW_TOKENS  # no EOS at all: runs to the end, as generate()
+    else:
+        assert (new[0, 2:] == eos_list[0]).all() and (new[1, 1:] == eos_list[0]).all()
+
+    # The command line finds and uses the same ids.
+    ids_arg = ";".join(",".join(map(str, p)) for p in prompts)
+    args = ["--model-dir", str(d), "--prompt-ids", ids_arg, "--dtype", "float64", "--no-progress"]
+    assert hf.main([*args, "--max-new-tokens", str(NEW_TOKENS)]) == 0
+    rows = [
+        line.split(" -> ")[1] for line in capsys.readouterr().out.splitlines() if " -> " in line
+    ]
+    assert [list(map(int, r.split(","))) for r in rows] == new.tolist()
