@@ -150,7 +150,7 @@ def check_token_ids(config: Mapping[str, Any], source: str, vocab_size: int) -> 
         ...     check_token_ids({"eos_token_id": 9}, "config.json", 8)
         ... except CheckpointError as e:
         ...     print(e)
-        config.json: eos_token_id is 9, expected null, an int in [0, 8) or a list of them
+        config.json: eos_token_id is 9, expected null, an int in [0, vocab_size=8) or a list of them
     """
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = config.get(key)
@@ -163,7 +163,7 @@ def check_token_ids(config: Mapping[str, Any], source: str, vocab_size: int) -> 
             also = " or a list of them" if key == "eos_token_id" else ""
             raise CheckpointError(
                 f"{source}: {key} is {value!r:.80}, expected null, an int in "
-                f"[0, {vocab_size}){also}"
+                f"[0, vocab_size={vocab_size}){also}"
             )
 
 
@@ -1042,7 +1042,9 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     """The directory's ``tokenizer.json`` (``tokenizers`` package), kept inside the
     directory; a file ``tokenizers`` cannot read is a :class:`CheckpointError` naming it."""
     path = checkpoint_file(model_dir, "tokenizer.json")
-    regular_file_size(path, what="tokenizer file")
+    size = regular_file_size(path, what="tokenizer file")
+    if size > 2**30:  # real ones are a few MB
+        raise CheckpointError(f"{path}: {size} bytes, more than the 1 GiB a tokenizer may have")
     from tokenizers import Tokenizer
 
     try:

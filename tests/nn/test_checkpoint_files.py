@@ -209,7 +209,7 @@ def test_good_file_reads_as_the_reference_reads_it(tmp_path):
     path = write_good(tmp_path / "model.safetensors")
     ref = st.load_file(str(path))
     got = read_safetensors(path)
-    assert list(got) == list(ref.keys()) or set(got) == set(ref)
+    assert set(got) == set(ref)
     for name, a in ref.items():
         assert got[name].dtype == a.dtype and got[name].shape == a.shape
         np.testing.assert_array_equal(got[name], a)
@@ -315,6 +315,7 @@ def test_index_naming_a_file_outside_is_refused_before_reading(tmp_path, how):
         shard = "sub/outside.safetensors"
     _sharded(d, {"a": "s1.safetensors", "b": shard})
     if how == "symlink":
+        (d / shard).unlink()
         (d / shard).symlink_to(outside)
     if how == "symlinked dir":
         (d / "sub").symlink_to(tmp_path)
@@ -386,7 +387,7 @@ def test_corrupt_index_is_a_clear_error(tmp_path, index, pattern):
     d.mkdir()
     st.save_file({"a": TENSORS["a"]}, str(d / "s1.safetensors"))
     st.save_file({"b": TENSORS["b"], "c": TENSORS["c"]}, str(d / "s2.safetensors"))
-    if "unlisted" in pattern:
+    if "not listed" in pattern:
         index = {"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}}
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=pattern) as info:
@@ -408,3 +409,19 @@ def test_checkpoint_file_refuses_traversal_names(tmp_path):
         with pytest.raises(CheckpointError):
             checkpoint_file(tmp_path, name)
     assert checkpoint_file(tmp_path, "sub/x.safetensors") == tmp_path / "sub" / "x.safetensors"
+
+
+def test_write_safetensors_is_read_by_the_reference(tmp_path):
+    from arrayattn.nn.checkpoint import write_safetensors
+
+    path = tmp_path / "w.safetensors"
+    tensors = {**TENSORS, "m": np.array([True, False, True]), "e": np.zeros((2, 0), np.float64)}
+    write_safetensors(path, tensors, metadata={"format": "np"})
+    ref = st.load_file(str(path))
+    assert set(ref) == set(tensors)
+    for name, a in tensors.items():
+        assert ref[name].dtype == a.dtype and ref[name].shape == a.shape
+        np.testing.assert_array_equal(ref[name], a)
+    assert split(path)[0] % 8 == 0  # the data region starts aligned, as the library writes
+    with pytest.raises(TypeError, match=r"tensors\['x'\] has dtype complex64"):
+        write_safetensors(path, {"x": np.zeros(2, np.complex64)})

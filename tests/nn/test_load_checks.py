@@ -41,6 +41,7 @@ def test_non_finite_weight_is_refused_naming_key_and_parameter(bad):
         mlp.load(w)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")
 def test_a_cast_that_overflows_is_refused():
     sd = state()
     sd["attn.o_proj.weight"] = sd["attn.o_proj.weight"] * 1e6  # > float16's 65504

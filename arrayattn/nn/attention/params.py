@@ -113,7 +113,7 @@ def load_params(
         ns = resolve_namespace(xp)
         for name, a in params.items():
             if not bool(ns.all(ns.isfinite(a))):
-                cast = "" if dtype is None else f" after the cast to {_dtype_name(dtype)}"
+                cast = "" if dtype is None else f" after the cast to {_dtype_name(a.dtype)}"
                 raise ValueError(
                     f"state_dict[{found[name][0]!r}] (parameter {name!r}) holds non-finite "
                     f"values (NaN or Inf){cast}: the checkpoint is corrupt or its training "

@@ -19,6 +19,7 @@ from .safetensors import (
     check_finite_array,
     read_safetensors,
     read_safetensors_header,
+    write_safetensors,
 )
 
 __all__ = [
@@ -38,4 +39,5 @@ __all__ = [
     "read_safetensors_header",
     "regular_file_size",
     "safetensors_files",
+    "write_safetensors",
 ]

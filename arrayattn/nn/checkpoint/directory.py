@@ -64,9 +64,10 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 
     Examples:
         >>> import numpy as np, tempfile, os
-        >>> from safetensors.numpy import save_file
         >>> d = tempfile.mkdtemp()
-        >>> save_file({"w": np.zeros(2, np.float32)}, os.path.join(d, "model.safetensors"))
+        >>> from arrayattn.nn.checkpoint import write_safetensors
+        >>> write_safetensors(os.path.join(d, "model.safetensors"),
+        ...                   {"w": np.zeros(2, np.float32)})
         >>> [p.name for p in safetensors_files(d)]
         ['model.safetensors']
     """
@@ -92,9 +93,10 @@ def read_checkpoint_headers(model_dir: str | Path) -> dict[str, TensorInfo]:
 
     Examples:
         >>> import numpy as np, tempfile, os
-        >>> from safetensors.numpy import save_file
         >>> d = tempfile.mkdtemp()
-        >>> save_file({"w": np.zeros((2, 3), np.float32)}, os.path.join(d, "model.safetensors"))
+        >>> from arrayattn.nn.checkpoint import write_safetensors
+        >>> write_safetensors(os.path.join(d, "model.safetensors"),
+        ...                   {"w": np.zeros((2, 3), np.float32)})
         >>> read_checkpoint_headers(d)["w"].shape
         (2, 3)
     """
@@ -141,9 +143,10 @@ def read_checkpoint_tensors(
 
     Examples:
         >>> import numpy as np, tempfile, os
-        >>> from safetensors.numpy import save_file
         >>> d = tempfile.mkdtemp()
-        >>> save_file({"w": np.ones(2, np.float32)}, os.path.join(d, "model.safetensors"))
+        >>> from arrayattn.nn.checkpoint import write_safetensors
+        >>> write_safetensors(os.path.join(d, "model.safetensors"),
+        ...                   {"w": np.ones(2, np.float32)})
         >>> read_checkpoint_tensors(read_checkpoint_headers(d))["w"].tolist()
         [1.0, 1.0]
     """

@@ -157,7 +157,7 @@ def read_json(path: str | Path, *, max_bytes: int = MAX_JSON_BYTES) -> dict[str,
             f"{p}: {size} bytes, more than the {max_bytes} a JSON file here may have"
         )
     with open(p, "rb") as f:
-        raw = f.read(max_bytes + 1)
+        raw = f.read(size + 1)  # size is known and capped: no max_bytes buffer
     obj = parse_json(raw, str(p))
     if not isinstance(obj, dict):
         raise CheckpointError(f"{p}: expected a JSON object ({{...}}), got a {type(obj).__name__}")

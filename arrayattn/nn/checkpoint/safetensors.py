@@ -13,8 +13,8 @@ is bounded by the file's size (BF16, widened to float32, by twice that).
 
 from __future__ import annotations
 
+import json
 import math
-import numbers
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -34,6 +34,7 @@ __all__ = [
     "read_safetensors_header",
     "read_safetensors",
     "check_finite_array",
+    "write_safetensors",
 ]
 
 MAX_HEADER_BYTES = 100 * 2**20
@@ -91,8 +92,64 @@ class SafetensorsHeader:
     size: int
 
 
+_NAME_OF = {
+    np.dtype(v).newbyteorder("<"): k
+    for k, v in SAFETENSORS_DTYPES.items()
+    if k not in ("BF16", "BOOL")
+}
+
+
+def write_safetensors(
+    path: str | Path,
+    tensors: Mapping[str, Any],
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Write NumPy arrays as a ``.safetensors`` file (what ``safetensors.numpy.save_file``
+    writes, without that package; no BF16, which NumPy lacks).
+
+    Shapes: any; each array is stored C-contiguous, little-endian.
+
+    Examples:
+        >>> import numpy as np, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "t.safetensors")
+        >>> write_safetensors(path, {"w": np.arange(6, dtype=np.float32).reshape(2, 3)})
+        >>> read_safetensors(path)["w"].tolist()
+        [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    """
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    blobs, offset = [], 0
+    for name in sorted(tensors):
+        a = np.asarray(tensors[name])
+        if a.dtype == np.bool_:
+            kind, a = "BOOL", a.astype(np.uint8)
+        else:
+            le = a.dtype.newbyteorder("<")
+            if le not in _NAME_OF:
+                raise TypeError(
+                    f"tensors[{name!r}] has dtype {a.dtype}, which has no safetensors name"
+                )
+            kind, a = _NAME_OF[le], a.astype(le)
+        raw = np.ascontiguousarray(a).tobytes()
+        header[name] = {
+            "dtype": kind,
+            "shape": list(a.shape),
+            "data_offsets": [offset, offset + len(raw)],
+        }
+        blobs.append(raw)
+        offset += len(raw)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for raw in blobs:
+            f.write(raw)
+
+
 def _nonneg_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _tensor_info(p: Path, name: str, info: Any, data_start: int, data_len: int) -> TensorInfo:
@@ -169,9 +226,8 @@ def read_safetensors_header(path: str | Path) -> SafetensorsHeader:
 
     Examples:
         >>> import numpy as np, tempfile, os
-        >>> from safetensors.numpy import save_file
         >>> path = os.path.join(tempfile.mkdtemp(), "t.safetensors")
-        >>> save_file({"w": np.zeros((2, 3), np.float32)}, path)
+        >>> write_safetensors(path, {"w": np.zeros((2, 3), np.float32)})
         >>> info = read_safetensors_header(path).tensors["w"]
         >>> info.dtype, info.shape, info.nbytes
         ('F32', (2, 3), 24)
@@ -256,7 +312,7 @@ def _read_tensor(f: Any, name: str, t: TensorInfo) -> np.ndarray:
         dtype=SAFETENSORS_DTYPES[t.dtype],
     )
     f.seek(t.offset)
-    got = f.readinto(memoryview(raw).cast("B")) if t.nbytes else 0
+    got = f.readinto(raw.data.cast("B")) if t.nbytes else 0
     if got != t.nbytes:
         raise CheckpointError(
             f"{t.file}: tensor {name!r}: read {got} of its {t.nbytes} bytes (the file "
@@ -295,9 +351,8 @@ def read_safetensors(
 
     Examples:
         >>> import numpy as np, tempfile, os
-        >>> from safetensors.numpy import save_file
         >>> path = os.path.join(tempfile.mkdtemp(), "t.safetensors")
-        >>> save_file({"w": np.arange(6, dtype=np.float32).reshape(2, 3)}, path)
+        >>> write_safetensors(path, {"w": np.arange(6, dtype=np.float32).reshape(2, 3)})
         >>> read_safetensors(path)["w"].tolist()
         [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
     """

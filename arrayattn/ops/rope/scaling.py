@@ -463,22 +463,22 @@ def rope_kwargs_from_config(
     mpe = config.get("max_position_embeddings")
     if mpe is not None:
         mpe = _config_int(config, "max_position_embeddings")
-    out = {
+    base = 10000.0 if theta is None else _config_real(config, "rope_theta", theta)
+    factor = None if partial is None else _config_real(config, "partial_rotary_factor", partial)
+    out: dict[str, Any] = {
         "head_dim": int(head_dim),
         "rope_scaling": params or None,
-        "theta": 10000.0 if theta is None else _config_real(config, "rope_theta", theta),
-        "partial_rotary_factor": (
-            None if partial is None else _config_real(config, "partial_rotary_factor", partial)
-        ),
+        "theta": base,
+        "partial_rotary_factor": factor,
         "max_position_embeddings": mpe,
     }
     source = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
     try:
         check_rope_scaling(
-            out["head_dim"],
-            out["rope_scaling"],
-            theta=out["theta"],
-            partial_rotary_factor=out["partial_rotary_factor"],
+            int(head_dim),
+            params or None,
+            theta=base,
+            partial_rotary_factor=factor,
             max_position_embeddings=mpe,
         )
     except (TypeError, ValueError) as e:
