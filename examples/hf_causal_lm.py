@@ -49,6 +49,7 @@ import arrayattn as aa
 from arrayattn.nn import MultiHeadAttention, embedding, gelu, linear, read_safetensors, silu
 from arrayattn.nn.checkpoint import (
     CheckpointError,
+    TensorInfo,
     check_finite_array,
     checkpoint_file,
     read_checkpoint_headers,
@@ -66,6 +67,7 @@ __all__ = [
     "check_config",
     "check_attention",
     "check_tensors",
+    "inspect_model_dir",
     "load_model_dir",
     "main",
     "cli",
@@ -437,22 +439,21 @@ def _spec_of_array(name: str, a: Any) -> TensorSpec:
     return TensorSpec(tuple(int(d) for d in a.shape), dtype, "checkpoint")
 
 
-def load_model_dir(
-    model_dir: str | Path, *, check_finite: bool = True
-) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """``(config, tensors)`` of a Hugging Face model directory: ``config.json`` (plus
-    ``generation_config.json``'s token ids where the config lacks them) and every tensor of
-    ``model.safetensors`` or of the shards ``model.safetensors.index.json`` lists (else all
-    ``*.safetensors`` files).
+def inspect_model_dir(model_dir: str | Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
+    """``(config, headers)`` of a model directory, everything checked but no tensor data
+    read (milliseconds): ``config.json`` (:func:`check_config`; ``generation_config.json``'s
+    token ids merged in where the config lacks them), every file's header against its
+    size, every tensor's declared name, shape and dtype against the config
+    (:func:`check_tensors`). See :func:`load_model_dir`.
 
-    Nothing is trusted and nothing large is allocated before it is checked: the config
-    (:func:`check_config`), then every file's header against its size and every
-    tensor's declared shape and dtype against the config (:func:`check_tensors`); then
-    exactly the tensors' bytes are read. No file outside ``model_dir`` is read (an index
-    naming ``../x.safetensors``, an absolute path or a symlink out is refused).
-    ``check_finite``: a weight holding NaN or Inf is an error naming its file and tensor
-    (``False`` loads it). Every problem is a :class:`CheckpointError` naming the file and
-    the tensor or field; a missing ``config.json`` a ``FileNotFoundError``."""
+    Examples:
+        >>> import tempfile
+        >>> try:
+        ...     inspect_model_dir(tempfile.mkdtemp())
+        ... except FileNotFoundError as e:
+        ...     print(str(e)[-42:])
+        has no config.json (a save_pretrained dir)
+    """
     d = Path(model_dir)
     if not os.path.lexists(d / "config.json"):
         raise FileNotFoundError(f"--model-dir {d} has no config.json (a save_pretrained dir)")
@@ -469,6 +470,26 @@ def load_model_dir(
     headers = read_checkpoint_headers(d)
     specs = {n: TensorSpec(h.shape, h.dtype, str(h.file)) for n, h in headers.items()}
     check_tensors(config, specs, str(config_path))
+    return config, headers
+
+
+def load_model_dir(
+    model_dir: str | Path, *, check_finite: bool = True
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """``(config, tensors)`` of a Hugging Face model directory: ``config.json`` (plus
+    ``generation_config.json``'s token ids where the config lacks them) and every tensor of
+    ``model.safetensors`` or of the shards ``model.safetensors.index.json`` lists (else all
+    ``*.safetensors`` files).
+
+    Nothing is trusted and nothing large is allocated before it is checked
+    (:func:`inspect_model_dir`: the config, then every file's header against its size and
+    every tensor's declared shape and dtype against the config); then exactly the
+    tensors' bytes are read. No file outside ``model_dir`` is read (an index naming
+    ``../x.safetensors``, an absolute path or a symlink out is refused).
+    ``check_finite``: a weight holding NaN or Inf is an error naming its file and tensor
+    (``False`` loads it). Every problem is a :class:`CheckpointError` naming the file and
+    the tensor or field; a missing ``config.json`` a ``FileNotFoundError``."""
+    config, headers = inspect_model_dir(model_dir)
     names = [n for n in headers if not _ignored(n)]
     return config, read_checkpoint_tensors(headers, names, check_finite=check_finite)
 
@@ -1083,6 +1104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import cupy as xp
     else:
         xp = np
+    inspect_model_dir(args.model_dir)  # a broken checkpoint is reported first (milliseconds)
     tok = None
     tok_path = Path(args.model_dir) / "tokenizer.json"
     if args.prompt_ids:

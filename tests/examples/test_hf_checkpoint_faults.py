@@ -515,3 +515,15 @@ def test_prompt_ids_and_tokenizer_faults(tmp_path):
     with pytest.raises(CheckpointError, match=r"tokenizer.json: not a tokenizer file") as e:
         hf.main(["--model-dir", str(d), "--prompt", "hello"])
     assert str(d / "tokenizer.json") in str(e.value)
+
+
+def test_command_line_reports_the_checkpoint_before_the_prompts(tmp_path, capsys):
+    """Without prompts or a tokenizer a broken directory still reports the checkpoint's
+    problem (it is inspected first, headers only), not the missing --prompt-ids."""
+    d = write_dir(tmp_path / "ckpt")
+    config_with(num_hidden_layers=10**9)(d)
+    assert hf.cli(["--model-dir", str(d)]) == 1
+    err = capsys.readouterr().err
+    assert str(d / "config.json") in err and "num_hidden_layers is 1000000000" in err
+    config, headers = hf.inspect_model_dir(write_dir(tmp_path / "ok"))
+    assert config["num_hidden_layers"] == 2 and headers["model.norm.weight"].shape == (8,)
