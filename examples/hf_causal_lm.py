@@ -50,7 +50,6 @@ from arrayattn.nn import MultiHeadAttention, embedding, gelu, linear, read_safet
 from arrayattn.nn.checkpoint import (
     CheckpointError,
     TensorInfo,
-    check_finite_array,
     checkpoint_file,
     read_checkpoint_headers,
     read_checkpoint_tensors,
@@ -430,6 +429,13 @@ def check_tensors(
             )
 
 
+def _narrower_than_float32(dtype: Any) -> bool:
+    try:
+        return dtype is not None and np.dtype(dtype).itemsize < 4
+    except TypeError:
+        return True
+
+
 def _spec_of_array(name: str, a: Any) -> TensorSpec:
     if not isinstance(name, str):
         raise CheckpointError(f"checkpoint tensor names must be strings, got {name!r:.80}")
@@ -653,13 +659,14 @@ class CausalLM:
         reads and raises :class:`CheckpointError` naming the file and tensor or field)."""
         config, tensors = load_model_dir(model_dir, check_finite=check_finite)
         source = str(Path(model_dir) / "config.json")
+        # the files held no NaN/Inf; only a cast to a narrower dtype can make one
         return cls.from_state(
             config,
             tensors,
             xp=xp,
             device=device,
             dtype=dtype,
-            check_finite=False,
+            check_finite=check_finite and _narrower_than_float32(dtype),
             source=source,
         )
 
@@ -693,11 +700,17 @@ class CausalLM:
 
         def take(name: str, transform: Callable[[np.ndarray], np.ndarray] | None = None) -> Any:
             a = np.asarray(tensors[name])
-            if check_finite:
-                check_finite_array(a, f"checkpoint tensor {name!r}")
             if transform is not None:
                 a = transform(a.astype(np.float64))
-            return xp.asarray(a, dtype=dtype, device=device)
+            out = xp.asarray(a, dtype=dtype, device=device)
+            if check_finite and not bool(xp.all(xp.isfinite(out))):
+                kind = str(out.dtype)
+                raise CheckpointError(
+                    f"checkpoint tensor {name!r} holds non-finite values (NaN or Inf) as "
+                    f"{kind}: a NaN/Inf in the checkpoint or a value beyond {kind}'s range "
+                    f"(check_finite=False loads it anyway)"
+                )
+            return out
 
         def norm_weight(name: str) -> Any:
             # Gemma's RMSNorm multiplies by (1 + weight): folded in once here.
@@ -1108,7 +1121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     tok = None
     tok_path = Path(args.model_dir) / "tokenizer.json"
     if args.prompt_ids:
-        prompts = parse_prompt_ids(args.prompt_ids)
+        try:
+            prompts = parse_prompt_ids(args.prompt_ids)
+        except ValueError as e:
+            ap.error(str(e))
     elif os.path.lexists(tok_path):
         tok = load_tokenizer(args.model_dir)
         prompts = [tok.encode(p).ids for p in (args.prompt or ["Hello"])]

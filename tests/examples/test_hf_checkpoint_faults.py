@@ -385,6 +385,7 @@ def test_hostile_checkpoint_is_a_clear_error_before_allocating(
     assert peak < 8 * 2**20, f"{label}: {peak} bytes allocated before the error"
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")
 def test_good_directory_loads_and_nonfinite_can_be_allowed(tmp_path):
     """The undamaged directory (single file and sharded) loads to the same logits as
     from_state on the arrays; a NaN weight loads with check_finite=False."""
@@ -400,6 +401,13 @@ def test_good_directory_loads_and_nonfinite_can_be_allowed(tmp_path):
     assert np.isnan(np.asarray(model.layers[1]["up_proj"])[3, 4])
     with pytest.raises(CheckpointError, match=r"checkpoint tensor 'model.norm.weight' holds"):
         hf.CausalLM.from_state(CONFIG, {**state, "model.norm.weight": np.full(8, np.inf)})
+    # finite float32 weights beyond float16's range: refused when loaded as float16
+    big = write_dir(
+        tmp_path / "big", state={**state, "model.norm.weight": np.full(8, 1e6, np.float32)}
+    )
+    with pytest.raises(CheckpointError, match=r"'model.norm.weight' .* beyond float16's range"):
+        hf.CausalLM.from_pretrained(big, dtype=np.float16)
+    assert hf.CausalLM.from_pretrained(big).params["norm"].dtype == np.float32
 
 
 def test_sharded_index_pointing_outside_is_refused_before_reading(tmp_path):
@@ -484,6 +492,7 @@ def test_command_line_arguments_that_cannot_work(tmp_path, capsys):
         (["--max-new-tokens", str(10**15)], r"--max-new-tokens 1000000000000000: the KV cache"),
         (["--top-p", "nan"], r"--top-p must be in \(0, 1\], got nan"),
         (["--temperature", "-1"], r"--temperature must be a finite number >= 0"),
+        (["--prompt-ids", "1,x"], r"--prompt-ids must be comma-separated ints, .* got '1,x'"),
     ):
         tracemalloc.start()
         try:
