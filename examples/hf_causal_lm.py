@@ -20,107 +20,482 @@ its own position.
 Prompts are text when the directory has ``tokenizer.json`` (read with the ``tokenizers``
 package), else token ids: ``--prompt-ids`` takes comma-separated ids, prompts separated
 by ``;``.
+
+Nothing in the directory is trusted: files are read through ``arrayattn.nn.checkpoint``
+(paths kept inside the directory, safetensors headers validated against the file before
+any data is read), the config is checked field by field and every tensor's shape and
+dtype against it before any tensor data is read, and weights holding NaN or Inf are
+refused (``--allow-nonfinite`` loads them). Every problem is a ``CheckpointError``
+naming the file and the tensor or field; on the command line it is one line on stderr
+and exit status 1 (``--debug`` shows the traceback).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import struct
+import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 import arrayattn as aa
-from arrayattn.nn import MultiHeadAttention, embedding, gelu, linear, silu
+from arrayattn.nn import MultiHeadAttention, embedding, gelu, linear, read_safetensors, silu
+from arrayattn.nn.checkpoint import (
+    CheckpointError,
+    TensorInfo,
+    checkpoint_file,
+    read_checkpoint_headers,
+    read_checkpoint_tensors,
+    read_json,
+    regular_file_size,
+)
 from arrayattn.ops import rms_norm
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_oss")
 
-# safetensors dtype names -> NumPy; BF16 has no NumPy dtype and is widened to float32.
-_ST_DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "I64": np.int64,
-    "I32": np.int32,
-    "I16": np.int16,
-    "I8": np.int8,
-    "U8": np.uint8,
-    "BOOL": np.bool_,
+__all__ = [
+    "CausalLM",
+    "CheckpointError",
+    "check_config",
+    "check_attention",
+    "check_tensors",
+    "inspect_model_dir",
+    "load_model_dir",
+    "main",
+    "cli",
+    "read_safetensors",
+]
+
+# -- reading a model directory -----------------------------------------------------------
+# Every file is read through arrayattn.nn.checkpoint, which trusts nothing in it: paths
+# stay inside the directory, safetensors headers are validated against the file before
+# any data is read, JSON is strict. The config is then checked here, field by field,
+# and every tensor's declared shape and dtype against it, before any tensor data is read.
+# Every problem is a CheckpointError (a ValueError) naming the file and tensor or field.
+
+# field -> (kind, required): "count" an int >= 1, "index" an int >= 0, "positive" a
+# finite number > 0, "nonneg" a finite number >= 0, "bool", "str"
+CONFIG_FIELDS: dict[str, tuple[str, bool]] = {
+    "vocab_size": ("count", True),
+    "hidden_size": ("count", True),
+    "intermediate_size": ("count", True),
+    "num_hidden_layers": ("count", True),
+    "num_attention_heads": ("count", True),
+    "num_key_value_heads": ("count", False),
+    "head_dim": ("count", False),
+    "max_position_embeddings": ("count", False),
+    "sliding_window": ("count", False),
+    "sliding_window_pattern": ("count", False),
+    "max_window_layers": ("index", False),
+    "num_local_experts": ("count", False),
+    "num_experts_per_tok": ("count", False),
+    "rms_norm_eps": ("nonneg", False),
+    "rope_theta": ("positive", False),
+    "partial_rotary_factor": ("positive", False),
+    "query_pre_attn_scalar": ("positive", False),
+    "attn_logit_softcapping": ("positive", False),
+    "final_logit_softcapping": ("positive", False),
+    "swiglu_limit": ("positive", False),
+    "swiglu_alpha": ("positive", False),
+    "attention_bias": ("bool", False),
+    "mlp_bias": ("bool", False),
+    "use_sliding_window": ("bool", False),
+    "tie_word_embeddings": ("bool", False),
+    "model_type": ("str", True),
+    "hidden_act": ("str", False),
+    "hidden_activation": ("str", False),
+}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "float64", "float32", "float16", "bfloat16")
+
+
+def _field_ok(kind: str, value: Any) -> bool:
+    if kind in ("count", "index"):
+        return (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and value >= (1 if kind == "count" else 0)
+        )
+    if kind in ("positive", "nonneg"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        return math.isfinite(value) and (value > 0 if kind == "positive" else value >= 0)
+    return isinstance(value, bool if kind == "bool" else str)
+
+
+_EXPECTED = {
+    "count": "an int >= 1",
+    "index": "an int >= 0",
+    "positive": "a finite number > 0",
+    "nonneg": "a finite number >= 0",
+    "bool": "true or false",
+    "str": "a string",
 }
 
 
-# -- reading a model directory -----------------------------------------------------------
-def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-    """All tensors of one ``.safetensors`` file as NumPy arrays (BF16 widened to float32,
-    exactly: a bfloat16 is the top half of a float32).
-
-    The format is an 8-byte little-endian header length, a JSON header (name -> dtype,
-    shape, byte offsets) and the raw data; reading it here needs no framework, which
-    ``safetensors.numpy`` would for BF16 checkpoints (most released ones).
+def check_token_ids(config: Mapping[str, Any], source: str, vocab_size: int) -> None:
+    """``bos_token_id``/``pad_token_id`` (an int) and ``eos_token_id`` (an int or a list
+    of ints) of a config or ``generation_config.json``: ``null`` or 64-bit ints, else a
+    :class:`CheckpointError` naming ``source`` and the field. Ids outside the vocabulary
+    are allowed, as transformers allows them: they are never looked up in the embedding
+    (a pad id only fills finished rows; old LLaMA configs carry ``pad_token_id: -1``).
 
     Examples:
-        >>> import numpy as np, tempfile, os
-        >>> from safetensors.numpy import save_file
-        >>> path = os.path.join(tempfile.mkdtemp(), "t.safetensors")
-        >>> save_file({"w": np.arange(6, dtype=np.float32).reshape(2, 3)}, path)
-        >>> read_safetensors(path)["w"].tolist()
-        [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+        >>> check_token_ids({"eos_token_id": [1, 2], "pad_token_id": None}, "config.json", 8)
+        >>> try:
+        ...     check_token_ids({"eos_token_id": "2"}, "config.json", 8)
+        ... except CheckpointError as e:
+        ...     print(e)
+        config.json: eos_token_id is '2', expected null, an int or a list of them
     """
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
-    (n,) = struct.unpack("<Q", raw[:8].tobytes())
-    header = json.loads(raw[8 : 8 + n].tobytes())
-    data = raw[8 + n :]
-    out: dict[str, np.ndarray] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = config.get(key)
+        if value is None:
             continue
-        start, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        chunk = data[start:end]
-        if info["dtype"] == "BF16":
-            bits = chunk.view("<u2").astype(np.uint32) << 16
-            out[name] = bits.view(np.float32).reshape(shape)
-        elif info["dtype"] in _ST_DTYPES:
-            out[name] = np.array(chunk.view(np.dtype(_ST_DTYPES[info["dtype"]]).newbyteorder("<")))
-            out[name] = out[name].reshape(shape)
-        else:
-            raise TypeError(
-                f"{path}: tensor {name!r} has safetensors dtype {info['dtype']}, which this "
-                f"example does not read (expected one of BF16, {', '.join(_ST_DTYPES)})"
+        ids = value if isinstance(value, list) and key == "eos_token_id" else [value]
+        if not ids or not all(
+            isinstance(t, int) and not isinstance(t, bool) and -(2**63) <= t < 2**63 for t in ids
+        ):
+            also = " or a list of them" if key == "eos_token_id" else ""
+            raise CheckpointError(
+                f"{source}: {key} is {value!r:.80}, expected null, an int{also}"
             )
-    return out
 
 
-def load_model_dir(model_dir: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def check_config(config: Any, source: str = "config") -> None:
+    """Raise :class:`CheckpointError` naming ``source`` (the ``config.json`` path) and the
+    field when ``config`` cannot describe a model here: not an object; a family other
+    than :data:`FAMILIES` or a quantized checkpoint; a missing required size; a size,
+    flag or number of the wrong type or out of range (zero, negative, a float or string
+    for an int, NaN); heads not dividing the width (without ``head_dim``) or key/value
+    heads not dividing the heads; more experts per token than experts; ``layer_types``
+    of the wrong length or with unknown types; an unknown activation; token ids outside
+    the vocabulary. Sizes are checked against the checkpoint's tensors, and then the
+    RoPE fields, by :func:`check_tensors`; nothing here allocates in proportion to them.
+
+    Examples:
+        >>> config = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8,
+        ...           "intermediate_size": 12, "num_hidden_layers": 1,
+        ...           "num_attention_heads": 3}
+        >>> try:
+        ...     check_config(config, "config.json")
+        ... except CheckpointError as e:
+        ...     print(str(e)[:62])
+        config.json: hidden_size=8 is not divisible by num_attention_h
+    """
+    if not isinstance(config, Mapping):
+        raise CheckpointError(f"{source}: expected a JSON object, got {type(config).__name__}")
+    family = config.get("model_type")
+    if family not in FAMILIES:
+        raise CheckpointError(f"{source}: model_type must be one of {FAMILIES}, got {family!r:.80}")
+    if config.get("quantization_config"):
+        raise CheckpointError(
+            f"{source}: quantized checkpoints (quantization_config, e.g. gpt-oss MXFP4) "
+            "are not supported: use a BF16/F16/F32 checkpoint"
+        )
+    required = dict.fromkeys(("num_local_experts", "num_experts_per_tok"), family == "gpt_oss")
+    for key, (kind, needed) in CONFIG_FIELDS.items():
+        value = config.get(key)
+        if value is None:
+            if needed or required.get(key):
+                raise CheckpointError(
+                    f"{source}: required field {key!r} is missing (expected {_EXPECTED[kind]})"
+                )
+            continue
+        if not _field_ok(kind, value):
+            raise CheckpointError(
+                f"{source}: {key} is {type(value).__name__} {value!r:.80}, expected "
+                f"{_EXPECTED[kind]}"
+            )
+    H, heads = config["hidden_size"], config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    if config.get("head_dim") is None and H % heads:
+        raise CheckpointError(
+            f"{source}: hidden_size={H} is not divisible by num_attention_heads={heads} "
+            "and there is no head_dim"
+        )
+    if heads % kv:
+        raise CheckpointError(
+            f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}"
+        )
+    if family == "gpt_oss" and config["num_experts_per_tok"] > config["num_local_experts"]:
+        raise CheckpointError(
+            f"{source}: num_experts_per_tok={config['num_experts_per_tok']} exceeds "
+            f"num_local_experts={config['num_local_experts']}"
+        )
+    n = config["num_hidden_layers"]
+    types = config.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != n:
+            got = f"{len(types)} entries" if isinstance(types, list) else repr(types)[:80]
+            raise CheckpointError(
+                f"{source}: layer_types must be a list of num_hidden_layers={n} strings, got {got}"
+            )
+        unknown = sorted({str(t) for t in types if t not in LAYER_TYPES})
+        if unknown:
+            raise CheckpointError(
+                f"{source}: layer_types holds {unknown}, expected only {LAYER_TYPES}"
+            )
+    if family != "gpt_oss":
+        act = config.get("hidden_activation") or config.get("hidden_act") or "silu"
+        try:
+            _activation(act)
+        except ValueError as e:
+            raise CheckpointError(f"{source}: {e}") from None
+    check_token_ids(config, source, config["vocab_size"])
+
+
+def check_attention(config: Mapping[str, Any], source: str = "config") -> None:
+    """The RoPE fields and the attention layer's own checks (``rope_kwargs_from_config``,
+    :class:`MultiHeadAttention`: an unknown ``rope_type``, a missing scaling key, an odd
+    head dim) on one layer of each kind, as a :class:`CheckpointError` naming ``source``.
+    Called by :func:`check_tensors` once the sizes are known to fit real tensors."""
+    types = config.get("layer_types") or [None]
+    kinds: dict[Any, int] = {}
+    for i, t in enumerate(types):
+        kinds.setdefault(t, i)
+    for i in [*kinds.values(), int(config["num_hidden_layers"]) - 1]:
+        try:
+            attention_module(config, i)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{source}: {e}") from None
+
+
+class TensorSpec(NamedTuple):
+    """What :func:`check_tensors` reads of a tensor: its shape, its dtype's name, and
+    where it comes from (a file, for the messages)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    where: str
+
+
+def expected_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor the model reads (``lm_head.weight`` too, which
+    a checkpoint with tied embeddings leaves out). ``config`` must have passed
+    :func:`check_config`.
+
+    Examples:
+        >>> config = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8,
+        ...           "intermediate_size": 12, "num_hidden_layers": 1,
+        ...           "num_attention_heads": 2, "num_key_value_heads": 1}
+        >>> expected_shapes(config)["model.layers.0.self_attn.k_proj.weight"]
+        (4, 8)
+    """
+    family = config["model_type"]
+    V, H, inter = config["vocab_size"], config["hidden_size"], config["intermediate_size"]
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    shapes["lm_head.weight"] = (V, H)
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if family == "gemma2":
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    for i in range(int(config["num_hidden_layers"])):
+        pre = f"model.layers.{i}."
+        for name, shape in attention_module(config, i).param_shapes().items():
+            shapes[pre + "self_attn." + name] = shape
+        for norm in norms:
+            shapes[f"{pre}{norm}.weight"] = (H,)
+        m = pre + "mlp."
+        if family == "gpt_oss":
+            E = config["num_local_experts"]
+            shapes.update(
+                {
+                    m + "router.weight": (E, H),
+                    m + "router.bias": (E,),
+                    m + "experts.gate_up_proj": (E, H, 2 * inter),
+                    m + "experts.gate_up_proj_bias": (E, 2 * inter),
+                    m + "experts.down_proj": (E, inter, H),
+                    m + "experts.down_proj_bias": (E, H),
+                }
+            )
+        else:
+            for name, shape in (
+                ("gate_proj", (inter, H)),
+                ("up_proj", (inter, H)),
+                ("down_proj", (H, inter)),
+            ):
+                shapes[f"{m}{name}.weight"] = shape
+                if config.get("mlp_bias"):
+                    shapes[f"{m}{name}.bias"] = shape[:1]
+    return shapes
+
+
+_LAYER = re.compile(r"model\.layers\.(\d{1,12})\.")
+
+
+def _ignored(name: str) -> bool:
+    return name.endswith("rotary_emb.inv_freq")  # old checkpoints' RoPE buffers
+
+
+def check_tensors(
+    config: Mapping[str, Any], tensors: Mapping[str, TensorSpec], source: str = "config"
+) -> None:
+    """Raise :class:`CheckpointError` when the checkpoint's tensors (name ->
+    :class:`TensorSpec`, from headers or arrays) do not fit ``config`` (checked by
+    :func:`check_config`; ``source`` names it): ``num_hidden_layers`` other than the
+    layers the tensors hold (checked first: ``10**9`` layers builds nothing), a missing
+    or unused name, a wrong shape (``vocab_size`` ``10**12`` against a real embedding),
+    a dtype that is not floating. Messages name the tensor's file.
+
+    Examples:
+        >>> config = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8,
+        ...           "intermediate_size": 12, "num_hidden_layers": 10**9,
+        ...           "num_attention_heads": 2}
+        >>> specs = {"model.layers.0.input_layernorm.weight": TensorSpec((8,), "F32", "a")}
+        >>> try:
+        ...     check_tensors(config, specs, "config.json")
+        ... except CheckpointError as e:
+        ...     print(str(e)[:61])
+        config.json: num_hidden_layers is 1000000000 but the checkpoi
+    """
+    family, n = config["model_type"], int(config["num_hidden_layers"])
+    layers = sorted({int(m.group(1)) for k in tensors if (m := _LAYER.match(k))})
+    if len(layers) != n or (layers and layers[-1] != n - 1):
+        beyond = [i for i in layers if i >= n]
+        if beyond:
+            name = next(k for k in tensors if k.startswith(f"model.layers.{beyond[0]}."))
+            raise CheckpointError(
+                f"{tensors[name].where}: tensor {name!r} belongs to layer {beyond[0]}, but "
+                f"{source} says num_hidden_layers is {n}"
+            )
+        held = f"layers {layers[0]}..{layers[-1]}" if layers else "no layer"
+        raise CheckpointError(
+            f"{source}: num_hidden_layers is {n} but the checkpoint's tensors hold {held} "
+            f"({len(layers)} distinct; tensors model.layers.N.*)"
+        )
+    # the sizes against two real tensors first: everything built below is then bounded
+    # by the files' sizes (a head_dim of 10**9 would build a RoPE ladder that large)
+    H, heads = config["hidden_size"], config["num_attention_heads"]
+    D = config.get("head_dim") or H // heads
+    for name, shape in (
+        ("model.embed_tokens.weight", (config["vocab_size"], H)),
+        ("model.layers.0.self_attn.q_proj.weight", (heads * D, H)),
+    ):
+        if name not in tensors:
+            raise CheckpointError(
+                f"checkpoint has no tensor {name!r}, which {source}'s {family} model needs"
+            )
+        if tensors[name].shape != shape:
+            raise CheckpointError(
+                f"{tensors[name].where}: tensor {name!r} has shape {tensors[name].shape}, "
+                f"expected {shape} from {source} (vocab_size={config['vocab_size']}, "
+                f"hidden_size={H}, num_attention_heads={heads}, head_dim={D})"
+            )
+    check_attention(config, source)
+    expected = expected_shapes(config)
+    missing = [k for k in expected if k not in tensors and k != "lm_head.weight"]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint has no tensor {missing[0]!r} ({len(missing)} missing), which "
+            f"{source}'s {family} model with {n} layers needs"
+        )
+    unused = sorted(k for k in tensors if k not in expected and not _ignored(k))
+    if unused:
+        raise CheckpointError(
+            f"checkpoint tensors this {family} model ({source}) does not use: {unused[:8]} "
+            f"(in {tensors[unused[0]].where})"
+        )
+    sizes = ", ".join(
+        f"{k}={config[k]}"
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "num_local_experts",
+        )
+        if config.get(k) is not None
+    )
+    for name, spec in tensors.items():
+        if _ignored(name):
+            continue
+        if spec.shape != expected[name]:
+            raise CheckpointError(
+                f"{spec.where}: tensor {name!r} has shape {spec.shape}, expected "
+                f"{expected[name]} from {source} ({sizes})"
+            )
+        if spec.dtype not in _FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{spec.where}: tensor {name!r} has dtype {spec.dtype}, expected a floating "
+                f"dtype (BF16, F16, F32, F64)"
+            )
+
+
+def _narrower_than_float32(dtype: Any) -> bool:
+    try:
+        return dtype is not None and np.dtype(dtype).itemsize < 4
+    except TypeError:
+        return True
+
+
+def _spec_of_array(name: str, a: Any) -> TensorSpec:
+    if not isinstance(name, str):
+        raise CheckpointError(f"checkpoint tensor names must be strings, got {name!r:.80}")
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+        raise CheckpointError(f"checkpoint tensor {name!r} is a {type(a).__name__}, not an array")
+    dtype = str(getattr(a.dtype, "name", a.dtype)).rsplit(".", 1)[-1]
+    return TensorSpec(tuple(int(d) for d in a.shape), dtype, "checkpoint")
+
+
+def inspect_model_dir(model_dir: str | Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
+    """``(config, headers)`` of a model directory, everything checked but no tensor data
+    read (milliseconds): ``config.json`` (:func:`check_config`; ``generation_config.json``'s
+    token ids checked, see :func:`generation_token_ids`), every file's header against its
+    size, every tensor's declared name, shape and dtype against the config
+    (:func:`check_tensors`). See :func:`load_model_dir`.
+
+    Examples:
+        >>> import tempfile
+        >>> try:
+        ...     inspect_model_dir(tempfile.mkdtemp())
+        ... except FileNotFoundError as e:
+        ...     print(str(e)[-42:])
+        has no config.json (a save_pretrained dir)
+    """
+    d = Path(model_dir)
+    if not os.path.lexists(d / "config.json"):
+        raise FileNotFoundError(f"--model-dir {d} has no config.json (a save_pretrained dir)")
+    config_path = checkpoint_file(d, "config.json")
+    config = read_json(config_path)
+    check_config(config, str(config_path))
+    if os.path.lexists(d / "generation_config.json"):
+        gen_path = checkpoint_file(d, "generation_config.json")
+        gen = read_json(gen_path)
+        check_token_ids(gen, str(gen_path), config["vocab_size"])
+    headers = read_checkpoint_headers(d)
+    specs = {n: TensorSpec(h.shape, h.dtype, str(h.file)) for n, h in headers.items()}
+    check_tensors(config, specs, str(config_path))
+    return config, headers
+
+
+def load_model_dir(
+    model_dir: str | Path, *, check_finite: bool = True
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """``(config, tensors)`` of a Hugging Face model directory: ``config.json`` and every
     tensor of ``model.safetensors`` or of the shards ``model.safetensors.index.json`` lists
     (else all ``*.safetensors`` files). The token ids generation uses are
-    :func:`generation_token_ids`'s."""
-    d = Path(model_dir)
-    if not (d / "config.json").is_file():
-        raise FileNotFoundError(f"--model-dir {d} has no config.json (a save_pretrained dir)")
-    config = json.loads((d / "config.json").read_text())
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (d / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        files = sorted(p.name for p in d.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"--model-dir {d} has no *.safetensors files")
-    tensors: dict[str, np.ndarray] = {}
-    for f in files:
-        tensors.update(read_safetensors(d / f))
-    return config, tensors
+    :func:`generation_token_ids`'s.
+
+    Nothing is trusted and nothing large is allocated before it is checked
+    (:func:`inspect_model_dir`: the config, then every file's header against its size and
+    every tensor's declared shape and dtype against the config); then exactly the
+    tensors' bytes are read. No file outside ``model_dir`` is read (an index naming
+    ``../x.safetensors``, an absolute path or a symlink out is refused).
+    ``check_finite``: a weight holding NaN or Inf is an error naming its file and tensor
+    (``False`` loads it). Every problem is a :class:`CheckpointError` naming the file and
+    the tensor or field; a missing ``config.json`` a ``FileNotFoundError``."""
+    config, headers = inspect_model_dir(model_dir)
+    names = [n for n in headers if not _ignored(n)]
+    return config, read_checkpoint_tensors(headers, names, check_finite=check_finite)
 
 
 GENERATION_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -141,11 +516,10 @@ def generation_token_ids(
         {'bos_token_id': None, 'eos_token_id': [2], 'pad_token_id': None}
     """
     source: Mapping[str, Any] = config
-    gen = None if model_dir is None else Path(model_dir) / "generation_config.json"
-    if gen is not None and gen.is_file():
-        source = json.loads(gen.read_text())
-        if not isinstance(source, dict):
-            raise ValueError(f"{gen}: expected a JSON object, got {type(source).__name__}")
+    if model_dir is not None and os.path.lexists(Path(model_dir) / "generation_config.json"):
+        gen_path = checkpoint_file(Path(model_dir), "generation_config.json")
+        source = read_json(gen_path)
+        check_token_ids(source, str(gen_path), int(config.get("vocab_size") or 0))
     out: dict[str, Any] = {}
     for key in GENERATION_TOKENS:
         value = source.get(key)
@@ -163,15 +537,42 @@ def generation_token_ids(
 
 
 # -- the model ---------------------------------------------------------------------------
-def layer_windows(config: Mapping[str, Any]) -> list[tuple[int, int] | None]:
-    """The sliding window of each layer in arrayattn's ``(left, right)`` convention: HF's
+def layer_window(config: Mapping[str, Any], i: int) -> tuple[int, int] | None:
+    """The sliding window of layer ``i`` in arrayattn's ``(left, right)`` convention: HF's
     ``sliding_window=W`` (W keys including the query's own) is ``(W - 1, 0)``.
 
     Which layers slide: ``layer_types`` (``"sliding_attention"``) when the config has it,
     else Gemma's ``sliding_window_pattern`` (every layer but each ``pattern``-th; Gemma 2
     and gpt-oss configs without either alternate, as their config classes do), else
     Qwen2's ``use_sliding_window`` from layer ``max_window_layers`` on, else (Mistral)
-    every layer when ``sliding_window`` is set.
+    every layer when ``sliding_window`` is set. Nothing is built per layer, so a config
+    claiming 10**9 layers costs nothing here.
+
+    Examples:
+        >>> layer_window({"num_hidden_layers": 3, "sliding_window": 4,
+        ...               "layer_types": ["sliding_attention", "full_attention"]}, 0)
+        (3, 0)
+    """
+    w = config.get("sliding_window")
+    if w is None:
+        return None
+    win = (int(w) - 1, 0)
+    if config.get("layer_types"):
+        return win if config["layer_types"][i] == "sliding_attention" else None
+    pattern = config.get("sliding_window_pattern")
+    if pattern is None and config.get("model_type") in ("gemma2", "gpt_oss"):
+        pattern = 2  # their config classes' default: sliding and full layers alternate
+    if pattern:
+        return win if (i + 1) % int(pattern) else None
+    if "use_sliding_window" in config:
+        if not config["use_sliding_window"]:
+            return None
+        return win if i >= int(config.get("max_window_layers") or 0) else None
+    return win
+
+
+def layer_windows(config: Mapping[str, Any]) -> list[tuple[int, int] | None]:
+    """:func:`layer_window` of every layer (``num_hidden_layers`` of them).
 
     Examples:
         >>> layer_windows({"num_hidden_layers": 3, "sliding_window": 4,
@@ -179,24 +580,7 @@ def layer_windows(config: Mapping[str, Any]) -> list[tuple[int, int] | None]:
         ...                                "sliding_attention"]})
         [(3, 0), None, (3, 0)]
     """
-    n = int(config["num_hidden_layers"])
-    w = config.get("sliding_window")
-    if w is None:
-        return [None] * n
-    win = (int(w) - 1, 0)
-    if config.get("layer_types"):
-        return [win if t == "sliding_attention" else None for t in config["layer_types"]]
-    pattern = config.get("sliding_window_pattern")
-    if pattern is None and config.get("model_type") in ("gemma2", "gpt_oss"):
-        pattern = 2  # their config classes' default: sliding and full layers alternate
-    if pattern:
-        return [win if (i + 1) % int(pattern) else None for i in range(n)]
-    if "use_sliding_window" in config:
-        if not config["use_sliding_window"]:
-            return [None] * n
-        first = int(config.get("max_window_layers", 0))
-        return [win if i >= first else None for i in range(n)]
-    return [win] * n
+    return [layer_window(config, i) for i in range(int(config["num_hidden_layers"]))]
 
 
 def _layer_type(config: Mapping[str, Any], i: int) -> str | None:
@@ -239,7 +623,7 @@ def attention_module(config: Mapping[str, Any], i: int) -> MultiHeadAttention:
         partial_rotary_factor=rope["partial_rotary_factor"],
         max_position_embeddings=rope["max_position_embeddings"],
         causal=True,
-        window=layer_windows(config)[i],
+        window=layer_window(config, i),
         scale=(
             float(config["query_pre_attn_scalar"]) ** -0.5
             if family == "gemma2" and config.get("query_pre_attn_scalar")
@@ -299,11 +683,28 @@ class CausalLM:
     # -- construction ----------------------------------------------------------------
     @classmethod
     def from_pretrained(
-        cls, model_dir: str | Path, *, xp: Any = np, device: Any = None, dtype: Any = None
+        cls,
+        model_dir: str | Path,
+        *,
+        xp: Any = np,
+        device: Any = None,
+        dtype: Any = None,
+        check_finite: bool = True,
     ) -> CausalLM:
-        """Load ``model_dir`` (see :func:`load_model_dir`)."""
-        config, tensors = load_model_dir(model_dir)
-        return cls.from_state(config, tensors, xp=xp, device=device, dtype=dtype)
+        """Load ``model_dir`` (see :func:`load_model_dir`, which checks everything it
+        reads and raises :class:`CheckpointError` naming the file and tensor or field)."""
+        config, tensors = load_model_dir(model_dir, check_finite=check_finite)
+        source = str(Path(model_dir) / "config.json")
+        # the files held no NaN/Inf; only a cast to a narrower dtype can make one
+        return cls.from_state(
+            config,
+            tensors,
+            xp=xp,
+            device=device,
+            dtype=dtype,
+            check_finite=check_finite and _narrower_than_float32(dtype),
+            source=source,
+        )
 
     @classmethod
     def from_state(
@@ -314,30 +715,38 @@ class CausalLM:
         xp: Any = np,
         device: Any = None,
         dtype: Any = None,
+        check_finite: bool = True,
+        source: str = "config",
     ) -> CausalLM:
         """Build from a config dict and a name -> array dict (HF names). ``dtype``:
-        default float32."""
-        config = dict(config)
-        family = config.get("model_type")
-        if family not in FAMILIES:
-            raise ValueError(f"config's model_type must be one of {FAMILIES}, got {family!r}")
-        if config.get("quantization_config"):
-            raise ValueError(
-                "quantized checkpoints (config's quantization_config, e.g. gpt-oss MXFP4) "
-                "are not supported: use a BF16/F16/F32 checkpoint"
+        default float32. The config (:func:`check_config`) and every tensor's name, shape
+        and dtype (:func:`check_tensors`) are checked before anything is converted;
+        ``check_finite``: a tensor holding NaN or Inf is an error. Every problem is a
+        :class:`CheckpointError` naming the tensor or the field (of ``source``)."""
+        if not isinstance(tensors, Mapping):
+            raise TypeError(
+                f"tensors must be a mapping of names to arrays, got {type(tensors).__name__}"
             )
+        check_config(config, source)
+        config = dict(config)
+        check_tensors(config, {n: _spec_of_array(n, a) for n, a in tensors.items()}, source)
+        family = config["model_type"]
         xp = aa.array_namespace(xp)  # array-API namespace: asarray(..., device=) on CuPy too
         dtype = xp.float32 if dtype is None else dtype
-        used: set[str] = set()
 
         def take(name: str, transform: Callable[[np.ndarray], np.ndarray] | None = None) -> Any:
-            if name not in tensors:
-                raise KeyError(f"checkpoint has no tensor {name!r} (model_type {family!r})")
-            used.add(name)
             a = np.asarray(tensors[name])
             if transform is not None:
                 a = transform(a.astype(np.float64))
-            return xp.asarray(a, dtype=dtype, device=device)
+            out = xp.asarray(a, dtype=dtype, device=device)
+            if check_finite and not bool(xp.all(xp.isfinite(out))):
+                kind = str(out.dtype)
+                raise CheckpointError(
+                    f"checkpoint tensor {name!r} holds non-finite values (NaN or Inf) as "
+                    f"{kind}: a NaN/Inf in the checkpoint or a value beyond {kind}'s range "
+                    f"(check_finite=False loads it anyway)"
+                )
+            return out
 
         def norm_weight(name: str) -> Any:
             # Gemma's RMSNorm multiplies by (1 + weight): folded in once here.
@@ -348,13 +757,8 @@ class CausalLM:
         layers: list[dict[str, Any]] = []
         for i, mha in enumerate(attention):
             pre = f"model.layers.{i}."
-            attn_names = {
-                k[len(pre) + len("self_attn.") :]
-                for k in tensors
-                if k.startswith(pre + "self_attn.") and not k.endswith("rotary_emb.inv_freq")
-            }
             layer: dict[str, Any] = {
-                "attn": {n: take(pre + "self_attn." + n) for n in attn_names},
+                "attn": {n: take(pre + "self_attn." + n) for n in mha.param_shapes()},
                 "input_norm": norm_weight(pre + "input_layernorm.weight"),
                 "post_attn_norm": norm_weight(pre + "post_attention_layernorm.weight"),
             }
@@ -372,7 +776,7 @@ class CausalLM:
                 for n in ("gate_proj", "up_proj", "down_proj"):
                     layer[n] = take(f"{pre}mlp.{n}.weight")
                     b = f"{pre}mlp.{n}.bias"
-                    layer[n + "_b"] = take(b) if b in tensors else None
+                    layer[n + "_b"] = take(b) if config.get("mlp_bias") else None
             layers.append(layer)
         params = {
             "embed": take("model.embed_tokens.weight"),
@@ -381,9 +785,6 @@ class CausalLM:
         params["lm_head"] = (
             take("lm_head.weight") if "lm_head.weight" in tensors else params["embed"]
         )
-        unused = sorted(k for k in set(tensors) - used if not k.endswith("rotary_emb.inv_freq"))
-        if unused:
-            raise KeyError(f"checkpoint tensors this {family} model does not use: {unused[:8]}")
         return cls(config, attention, layers, params, xp)
 
     # -- pieces ----------------------------------------------------------------------
@@ -636,6 +1037,97 @@ def parse_prompt_ids(text: str) -> list[list[int]]:
     return prompts
 
 
+def generation_args_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the generation arguments, or None: ``--max-new-tokens`` >= 1,
+    ``--top-k`` >= 1, ``--top-p`` in (0, 1], ``--temperature`` finite and >= 0."""
+    if args.max_new_tokens < 1:
+        return f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"
+    if args.top_k is not None and args.top_k < 1:
+        return f"--top-k must be >= 1, got {args.top_k}"
+    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
+        return f"--top-p must be in (0, 1], got {args.top_p}"
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        return f"--temperature must be a finite number >= 0, got {args.temperature}"
+    return None
+
+
+def _memory_bytes(array: Any) -> int | None:
+    """The memory ``array``'s library keeps arrays in: the GPU's for CuPy, else the
+    host's (None when the platform does not say)."""
+    try:
+        if type(array).__module__.split(".")[0] == "cupy":
+            import cupy
+
+            return int(cupy.cuda.Device().mem_info[1])
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def request_error(
+    model: CausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, paged: bool
+) -> str | None:
+    """What makes a generation request impossible, or None: a token id outside
+    ``[0, vocab_size)`` (it would silently wrap, or fail, in the embedding), or a KV
+    cache for ``max(len(prompt)) + max_new_tokens`` positions larger than the memory the
+    model lives in (checked before the cache is allocated).
+
+    Examples:
+        >>> import numpy as np
+        >>> config = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8,
+        ...           "intermediate_size": 8, "num_hidden_layers": 1,
+        ...           "num_attention_heads": 2}
+        >>> state = {k: np.zeros(s) for k, s in expected_shapes(config).items()}
+        >>> model = CausalLM.from_state(config, state)
+        >>> request_error(model, [[1, 12]], 4, paged=False)
+        '--prompt-ids: token id 12 of prompt 0 is outside the vocabulary [0, 10)'
+        >>> request_error(model, [[1, 2]], 10**15, paged=False)[:45]
+        '--max-new-tokens 1000000000000000: the KV cac'
+    """
+    vocab = int(model.config["vocab_size"])
+    for b, p in enumerate(prompts):
+        for t in p:
+            if not 0 <= int(t) < vocab:
+                return (
+                    f"--prompt-ids: token id {t} of prompt {b} is outside the vocabulary "
+                    f"[0, {vocab})"
+                )
+    length = max(len(p) for p in prompts) + max_new_tokens
+    if paged:
+        length = -(-length // 16) * 16
+    itemsize = int(np.dtype(str(model.params["embed"].dtype)).itemsize)
+    need = sum(
+        len(prompts) * length * m.kv_heads * (m.dim_per_head + m.value_dim_per_head) * itemsize
+        for m in model.attention
+    )
+    have = _memory_bytes(model.params["embed"])
+    if have is not None and need > have:
+        return (
+            f"--max-new-tokens {max_new_tokens}: the KV cache for {len(prompts)} prompts of "
+            f"up to {length} positions needs {need / 2**30:.3g} GiB, more than the "
+            f"{have / 2**30:.3g} GiB of memory here"
+        )
+    return None
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    """The directory's ``tokenizer.json`` (``tokenizers`` package), kept inside the
+    directory; a file ``tokenizers`` cannot read is a :class:`CheckpointError` naming it."""
+    path = checkpoint_file(model_dir, "tokenizer.json")
+    size = regular_file_size(path, what="tokenizer file")
+    if size > 2**30:  # real ones are a few MB
+        raise CheckpointError(f"{path}: {size} bytes, more than the 1 GiB a tokenizer may have")
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception
+        message = " ".join(str(e).splitlines())
+        raise CheckpointError(
+            f"{path}: not a tokenizer file tokenizers can read ({message})"
+        ) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", required=True, help="config.json + *.safetensors directory")
@@ -650,27 +1142,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache", choices=("contiguous", "paged"), default="contiguous")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument(
+        "--allow-nonfinite", action="store_true", help="load weights holding NaN/Inf anyway"
+    )
+    ap.add_argument("--debug", action="store_true", help="errors with their traceback")
     args = ap.parse_args(argv)
+    bad = generation_args_error(args)
+    if bad:
+        ap.error(bad)
 
     if args.device == "cuda":
         import cupy as xp
     else:
         xp = np
+    inspect_model_dir(args.model_dir)  # a broken checkpoint is reported first (milliseconds)
     tok = None
     tok_path = Path(args.model_dir) / "tokenizer.json"
     if args.prompt_ids:
-        prompts = parse_prompt_ids(args.prompt_ids)
-    elif tok_path.is_file():
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(tok_path))
+        try:
+            prompts = parse_prompt_ids(args.prompt_ids)
+        except ValueError as e:
+            ap.error(str(e))
+    elif os.path.lexists(tok_path):
+        tok = load_tokenizer(args.model_dir)
         prompts = [tok.encode(p).ids for p in (args.prompt or ["Hello"])]
     else:
         ap.error(f"{args.model_dir} has no tokenizer.json: give --prompt-ids")
 
     t0 = time.perf_counter()
-    model = CausalLM.from_pretrained(args.model_dir, xp=xp, dtype=getattr(xp, args.dtype))
+    model = CausalLM.from_pretrained(
+        args.model_dir, xp=xp, dtype=getattr(xp, args.dtype), check_finite=not args.allow_nonfinite
+    )
     special = generation_token_ids(model.config, args.model_dir)
+    bad = request_error(model, prompts, args.max_new_tokens, paged=args.cache == "paged")
+    if bad:
+        ap.error(bad)
     print(
         f"loaded {model.family} ({len(model.layers)} layers) on {args.device} "
         f"{args.dtype} in {time.perf_counter() - t0:.2f} s",
@@ -706,5 +1212,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def cli(argv: Sequence[str] | None = None) -> int:
+    """The command line: :func:`main`, with every error as one line on stderr
+    (``hf_causal_lm.py: error: ...``, naming the file and tensor or field) and exit
+    status 1; 130 on Ctrl-C. ``--debug`` lets the exception and its traceback through.
+    Argument errors are argparse's (usage and one line, status 2)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    prog = Path(sys.argv[0]).name if argv is None else "hf_causal_lm.py"
+    try:
+        return main(args)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the command line's one-line report
+        if debug:
+            raise
+        kind = "" if isinstance(e, CheckpointError) else f"{type(e).__name__}: "
+        message = " ".join(str(e).splitlines())
+        print(f"{prog}: error: {kind}{message} (--debug shows the traceback)", file=sys.stderr)
+        return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

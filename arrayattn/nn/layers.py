@@ -109,6 +109,7 @@ class Layer:
         device: Any = None,
         dtype: Any = None,
         strict: bool = True,
+        check_finite: bool = True,
     ) -> Params:
         """Take this layer's tensors from a checkpoint dict (``safetensors.numpy.load_file``,
         a ``torch`` ``state_dict()``, ...) by their names under ``prefix``, moved to
@@ -126,9 +127,12 @@ class Layer:
             xp, device: where the parameters go.
             dtype: the dtype they are cast to; default: each tensor keeps its own.
             strict: reject names under ``prefix`` this layer does not use.
+            check_finite: a loaded parameter holding NaN or Inf (after the cast to
+                ``dtype``) is a ``ValueError`` naming it; ``False`` loads it as it is.
 
         Missing names are a ``KeyError`` listing the missing and the unexpected names;
-        wrong shapes a ``ValueError`` naming the parameter.
+        wrong shapes a ``ValueError`` naming the parameter; a tensor whose dtype is not
+        real floating (integer, bool, complex) a ``TypeError``.
 
         Examples:
             >>> import numpy as np
@@ -149,6 +153,7 @@ class Layer:
             device=device,
             dtype=dtype,
             strict=strict,
+            check_finite=check_finite,
         )
 
     def check_params(self, params: Mapping[str, Array]) -> None:

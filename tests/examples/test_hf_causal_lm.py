@@ -342,9 +342,10 @@ def test_loading_errors_name_the_problem(saved):
     )
     missing = dict(tensors)
     del missing["model.layers.1.mlp.up_proj.weight"]
-    with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight"):
+    # a CheckpointError (a ValueError), never a KeyError (issue 35)
+    with pytest.raises(hf.CheckpointError, match="no tensor 'model.layers.1.mlp.up_proj.weight'"):
         hf.CausalLM.from_state(config, missing)
-    with pytest.raises(KeyError, match="does not use.*model.extra"):
+    with pytest.raises(hf.CheckpointError, match="does not use.*model.extra"):
         hf.CausalLM.from_state(config, {**tensors, "model.extra": np.zeros(2)})
     with pytest.raises(ValueError, match="model_type must be one of.*'gpt2'"):
         hf.CausalLM.from_state({**config, "model_type": "gpt2"}, tensors)

@@ -148,6 +148,7 @@ class MultiHeadAttention(AttentionConfig):
         device: Any = None,
         dtype: Any = None,
         strict: bool = True,
+        check_finite: bool = True,
     ) -> Params:
         """Take this layer's tensors from a checkpoint dict (``safetensors.numpy.load_file``,
         a ``torch`` ``state_dict()``, ...) by their names under ``prefix``
@@ -168,9 +169,12 @@ class MultiHeadAttention(AttentionConfig):
                 library lacks (bfloat16 on NumPy) then is a ``TypeError`` asking for
                 ``dtype=``.
             strict: reject names under ``prefix`` this configuration does not use.
+            check_finite: a loaded parameter holding NaN or Inf (after the cast to
+                ``dtype``) is a ``ValueError`` naming it; ``False`` loads it as it is.
 
         Missing names are always a ``KeyError``; the message lists the missing and the
-        unexpected names together.
+        unexpected names together. A tensor whose dtype is not real floating (integer,
+        bool, complex) is a ``TypeError``, a wrong shape a ``ValueError``.
 
         Examples:
             >>> import numpy as np
@@ -192,6 +196,7 @@ class MultiHeadAttention(AttentionConfig):
             device=device,
             dtype=dtype,
             strict=strict,
+            check_finite=check_finite,
         )
 
     def check_params(self, params: Mapping[str, Array]) -> None:

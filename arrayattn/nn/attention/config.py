@@ -12,6 +12,7 @@ from typing import Any
 
 from ...ops.attention import implementations
 from ...ops.rope import ROPE_LAYOUTS
+from ...ops.rope.scaling import check_rope_scaling
 from .._validate import _count, _flag, _real
 
 __all__ = ["AttentionConfig", "QK_NORMS", "QK_NORM_SCOPES"]
@@ -152,6 +153,20 @@ class AttentionConfig:
             )
         if self.rope_axes is not None and self.rope_scaling is not None:
             raise ValueError("rope_scaling applies to one ladder; it cannot scale rope_axes")
+        if self.rope is not None and self.rope_scaling is not None:
+            # An unknown rope_type or a missing key fails here, not at the first call.
+            try:
+                check_rope_scaling(
+                    self.dim_per_head,
+                    self.rope_scaling,
+                    theta=self.rope_theta,
+                    partial_rotary_factor=(
+                        None if self.mrope_section is not None else self.partial_rotary_factor
+                    ),
+                    max_position_embeddings=self.max_position_embeddings,
+                )
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"rope_scaling={dict(self.rope_scaling)!r:.200}: {e}") from None
 
     @property
     def rope_position_axes(self) -> int | None:

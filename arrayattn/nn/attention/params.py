@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import array_api_compat
 
 from ..._backend import Array, resolve_namespace
-from .._checkpoint import _to_namespace
+from .._checkpoint import _dtype_name, _to_namespace
 from .._validate import _flag
 from .config import AttentionConfig
 
@@ -57,8 +57,11 @@ def load_params(
     device: Any = None,
     dtype: Any = None,
     strict: bool = True,
+    check_finite: bool = True,
 ) -> Params:
-    """This layer's tensors from a checkpoint dict (:meth:`MultiHeadAttention.load`)."""
+    """This layer's tensors from a checkpoint dict (:meth:`MultiHeadAttention.load`):
+    names matched, each tensor's dtype a real floating one, shapes checked, and (with
+    ``check_finite``) no NaN or Inf in what is loaded."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(
             f"state_dict must be a mapping of names to arrays, got {type(state_dict).__name__}"
@@ -70,6 +73,7 @@ def load_params(
             f"rename must be a mapping, a callable or None, got {type(rename).__name__}"
         )
     _flag("strict", strict)
+    _flag("check_finite", check_finite)
     expected = cfg.param_shapes()
     found: dict[str, tuple[str, Any]] = {}
     for key, tensor in state_dict.items():
@@ -94,9 +98,31 @@ def load_params(
             f"prefix {prefix!r} and rename), unexpected {unexpected}"
             + (" (strict=False ignores unexpected names)" if unexpected else "")
         )
+    for name in expected:
+        key, tensor = found[name]
+        kind = _dtype_name(getattr(tensor, "dtype", None))
+        if hasattr(tensor, "shape") and kind not in _FLOAT_NAMES:
+            raise TypeError(
+                f"state_dict[{key!r}] (parameter {name!r}) has dtype {kind}, expected a real "
+                f"floating dtype ({', '.join(_FLOAT_NAMES)}): a parameter is never an "
+                f"integer, bool or complex tensor"
+            )
     params = _to_namespace({n: found[n][1] for n in expected}, xp, device, dtype)
     check_params(cfg, params)
+    if check_finite:
+        ns = resolve_namespace(xp)
+        for name, a in params.items():
+            if not bool(ns.all(ns.isfinite(a))):
+                cast = "" if dtype is None else f" after the cast to {_dtype_name(a.dtype)}"
+                raise ValueError(
+                    f"state_dict[{found[name][0]!r}] (parameter {name!r}) holds non-finite "
+                    f"values (NaN or Inf){cast}: the checkpoint is corrupt or its training "
+                    f"diverged (check_finite=False loads it anyway)"
+                )
     return params
+
+
+_FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
 
 
 def check_params(cfg: _HasParamShapes, params: Mapping[str, Array]) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..._backend import Array, resolve_namespace
 
-__all__ = ["ROPE_TYPES", "rope_inv_freq", "rope_kwargs_from_config"]
+__all__ = ["ROPE_TYPES", "check_rope_scaling", "rope_inv_freq", "rope_kwargs_from_config"]
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -250,6 +250,45 @@ def inv_freq_list(
     return _INIT[rope_type](params, base, dim, max_position_embeddings, seq_len)
 
 
+_EAGER_DIM = 2**16
+
+
+def check_rope_scaling(
+    head_dim: int,
+    rope_scaling: Mapping[str, Any] | None,
+    *,
+    theta: float = 10000.0,
+    partial_rotary_factor: float | None = None,
+    max_position_embeddings: int | None = None,
+) -> None:
+    """Raise now what :func:`rope_inv_freq` would raise later for these arguments: an
+    unknown ``rope_type``, a missing or invalid key of its type, an impossible rotary dim.
+    ``longrope`` is checked for both of its factor lists (the short one and, beyond the
+    pretraining length, the long one). Above a rotary dim of ``2**16`` only the type and
+    the fields every type shares are checked (the per-type checks build the ladder, one
+    float per pair of features)."""
+    dim = _resolve(head_dim, rope_scaling, theta, partial_rotary_factor, max_position_embeddings)[3]
+    if dim > _EAGER_DIM:
+        return
+    lengths: tuple[int | None, ...] = (None,)
+    if isinstance(rope_scaling, Mapping):
+        kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+        if _ALIASES.get(kind, kind) == "longrope":
+            original = rope_scaling.get("original_max_position_embeddings")
+            original = max_position_embeddings if original is None else original
+            if isinstance(original, numbers.Integral) and not isinstance(original, bool):
+                lengths = (None, int(original) + 1)
+    for seq_len in lengths:
+        inv_freq_list(
+            head_dim,
+            rope_scaling,
+            theta=theta,
+            partial_rotary_factor=partial_rotary_factor,
+            max_position_embeddings=max_position_embeddings,
+            seq_len=seq_len,
+        )
+
+
 def real_dtype(xp: Any, dtype: Any) -> Any:
     """The real dtype angles are computed in: float64 for float64/complex128, float32 for
     the default and every narrower float (and complex64)."""
@@ -384,6 +423,8 @@ def rope_kwargs_from_config(
     if not isinstance(params, Mapping):
         raise TypeError(f"config's rope_parameters/rope_scaling must be a dict, got {params!r}")
     labels = config.get("layer_types") or ()
+    if not isinstance(labels, (list, tuple)):
+        raise TypeError(f"config's layer_types must be a list of strings, got {labels!r:.80}")
     nested = [k for k in params if k in labels]
     if nested:
         if layer_type not in nested:
@@ -396,15 +437,22 @@ def rope_kwargs_from_config(
         raise ValueError(
             f"layer_type={layer_type!r} given but config's rope_parameters are not per layer type"
         )
+    if not isinstance(params, Mapping):
+        raise TypeError(
+            f"config's rope_parameters[{layer_type!r}] must be a dict, got {params!r:.80}"
+        )
     params = dict(params or {})
     head_dim = config.get("head_dim")
     if head_dim is None:
-        try:
-            head_dim = int(config["hidden_size"]) // int(config["num_attention_heads"])
-        except KeyError as e:
+        if config.get("hidden_size") is None or config.get("num_attention_heads") is None:
             raise ValueError(
-                f"config has neither head_dim nor hidden_size and num_attention_heads ({e})"
-            ) from None
+                "config has neither head_dim nor hidden_size and num_attention_heads "
+                f"(got hidden_size={config.get('hidden_size')!r}, num_attention_heads="
+                f"{config.get('num_attention_heads')!r})"
+            )
+        head_dim = _config_int(config, "hidden_size") // _config_int(config, "num_attention_heads")
+    else:
+        head_dim = _config_int(config, "head_dim")
     partial = config.get("partial_rotary_factor", config.get("rotary_pct"))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in ("llama3", "yarn", "longrope", "su") and (
@@ -412,10 +460,48 @@ def rope_kwargs_from_config(
     ):
         params["original_max_position_embeddings"] = config["original_max_position_embeddings"]
     theta = config.get("rope_theta", config.get("rotary_emb_base"))
-    return {
+    mpe = config.get("max_position_embeddings")
+    if mpe is not None:
+        mpe = _config_int(config, "max_position_embeddings")
+    base = 10000.0 if theta is None else _config_real(config, "rope_theta", theta)
+    factor = None if partial is None else _config_real(config, "partial_rotary_factor", partial)
+    out: dict[str, Any] = {
         "head_dim": int(head_dim),
         "rope_scaling": params or None,
-        "theta": 10000.0 if theta is None else float(theta),
-        "partial_rotary_factor": None if partial is None else float(partial),
-        "max_position_embeddings": config.get("max_position_embeddings"),
+        "theta": base,
+        "partial_rotary_factor": factor,
+        "max_position_embeddings": mpe,
     }
+    source = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    try:
+        check_rope_scaling(
+            int(head_dim),
+            params or None,
+            theta=base,
+            partial_rotary_factor=factor,
+            max_position_embeddings=mpe,
+        )
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"config's RoPE fields ({source}, rope_theta, head_dim): {e}") from None
+    return out
+
+
+def _config_int(config: Mapping[str, Any], key: str) -> int:
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"config's {key} must be a positive int, got {type(value).__name__} {value!r:.80}"
+        )
+    if value < 1:
+        raise ValueError(f"config's {key} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _config_real(config: Mapping[str, Any], key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"config's {key} must be a number, got {type(value).__name__} {value!r:.80}"
+        )
+    if not math.isfinite(float(value)) or not float(value) > 0:
+        raise ValueError(f"config's {key} must be a positive finite number, got {value!r}")
+    return float(value)
