@@ -125,6 +125,28 @@ def test_dask_caches_round_trip_with_contents(kind):
     check_round_trip(make_backend("dask"), kind, "pickle")
 
 
+def test_jax_caches_round_trip_with_contents():
+    """JAX arrays are immutable (appends build new buffers) and a JAX device object does
+    not pickle: the copy takes its device from its buffers. (Appends only: a JAX module
+    call compiles for seconds.)"""
+    pytest.importorskip("jax")
+    b = make_backend("jax")
+    k = b.asarray(np.random.default_rng(0).standard_normal((2, 2, 3, 4)))
+    caches = [
+        KVCache.allocate(2, 2, 6, 4, xp=b.xp, dtype=b.xp.float64),
+        PagedKVCache(batch_size=2, num_pages=4, page_size=2, num_kv_heads=2, head_dim=4,
+                     xp=b.xp, dtype=b.xp.float64),
+    ]  # fmt: skip
+    for cache in caches:
+        cache.append(k, -k, lengths=[3, 1])
+        twin = pickle.loads(pickle.dumps(cache))
+        assert twin.xp is cache.xp and twin.device == cache.device
+        assert_same_state(twin, cache)
+        for c in (twin, cache):
+            c.append(k[:, :, :1], k[:, :, :1])
+        assert_same_state(twin, cache)
+
+
 @pytest.mark.parametrize("kind", ["contiguous", "paged"])
 def test_empty_caches_without_dtype_round_trip(kind):
     """A cache made without a dtype (buffers come with the first append) and one with no
@@ -178,6 +200,31 @@ def test_xp_that_is_no_namespace_is_a_clear_error():
     for bad in (types.SimpleNamespace(asarray=np.asarray, matmul=np.matmul), {"a": 1}, 3):
         with pytest.raises(TypeError, match="xp must be an array-API namespace"):
             KVCache.allocate(1, 1, 2, 2, xp=bad)
+
+
+def test_cotangents_round_trip():
+    """Gradients come back from workers: ``Cotangents`` (a tuple with attributes) pickles
+    with all of them."""
+    mha = MultiHeadAttention(8, 2, context_dim=6, value_context_dim=5)
+    p = mha.init(seed=0, xp=np, dtype=np.float64)
+    rng = np.random.default_rng(0)
+    x, c, v = (
+        rng.standard_normal((1, 2, 8)),
+        rng.standard_normal((1, 3, 6)),
+        rng.standard_normal((1, 3, 5)),
+    )
+    bias = rng.standard_normal((1, 2, 2, 3))
+    y, pullback = mha.vjp(p, x, c, value=v, attn_mask=bias)
+    g = pullback(np.ones_like(y))
+    for trip in ROUND_TRIPS.values():
+        g2 = trip(g)
+        assert type(g2) is type(g) and len(g2) == 3
+        for a, b in ((g2.x, g.x), (g2.context, g.context), (g2.value, g.value),
+                     (g2.attn_mask, g.attn_mask)):  # fmt: skip
+            np.testing.assert_array_equal(a, b)
+        assert sorted(g2.params) == sorted(g.params)
+        for k in g.params:
+            np.testing.assert_array_equal(g2.params[k], g.params[k])
 
 
 def test_testing_backend_pickles_by_name():
