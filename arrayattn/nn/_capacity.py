@@ -87,6 +87,6 @@ def check_buffer_size(
     else:
         return
     raise ValueError(
-        f"{what}: buffers of shape {tuple(shape)} ({dtype}) would need {reason}; nothing "
-        f"was allocated. Use a smaller capacity."
+        f"{what}: buffers of shape {tuple(shape)}{'' if dtype is None else f' ({dtype})'} "
+        f"would need {reason}; nothing was allocated. Use a smaller capacity."
     )

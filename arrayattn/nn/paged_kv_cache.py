@@ -100,7 +100,8 @@ class PagedKVCache(SharedState):
         ns = None if xp is None and dtype is None else resolve_namespace(xp)
         # Before the free list (a Python int per page) or any page exists.
         check_buffer_size(self._what(), self._pool_shape(), ns, device, dtype)
-        check_buffer_size(self._what(), (self.num_pages,), np, "cpu", None, itemsize=40)
+        free_list = f"{self._what()} free list"
+        check_buffer_size(free_list, (self.num_pages,), np, "cpu", None, itemsize=40)
         self._lengths = np.zeros(self.batch_size, dtype=np.int64)
         self.block_tables: list[list[int]] = [[] for _ in range(self.batch_size)]
         # Pages are taken from the front; a finished sequence's pages go to the back.
