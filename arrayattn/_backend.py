@@ -27,6 +27,8 @@ __all__ = [
     "namespace_of",
     "require_arrays",
     "resolve_namespace",
+    "namespace_name",
+    "namespace_from_name",
     "device_of",
     "library_name",
     "is_numpy",
@@ -191,6 +193,15 @@ def resolve_namespace(xp: ModuleType | Namespace | None) -> Namespace:
         import numpy
 
         xp = numpy
+    try:  # array_api_compat's recognisers read a module's name, through a cache
+        named = isinstance(getattr(xp, "__name__", None), str) and hash(xp) is not None
+    except TypeError:  # unhashable
+        named = False
+    if not named:
+        raise TypeError(
+            f"xp must be an array-API namespace (a module) such as numpy or cupy, got "
+            f"{type(xp).__name__} {xp!r:.80}"
+        )
     if array_api_compat.is_numpy_namespace(xp):
         return array_api_compat.array_namespace(_numpy_probe())
     if array_api_compat.is_cupy_namespace(xp):
@@ -208,6 +219,45 @@ def resolve_namespace(xp: ModuleType | Namespace | None) -> Namespace:
     if hasattr(xp, "asarray") and hasattr(xp, "matmul"):
         return xp
     raise TypeError(f"xp must be an array-API namespace such as numpy or cupy, got {xp!r}")
+
+
+def namespace_name(xp: Namespace) -> str:
+    """The importable module name of the namespace ``xp`` (``"array_api_compat.numpy"``,
+    ``"jax.numpy"``, ``"array_api_strict"``, ...), which :func:`namespace_from_name` turns
+    back into ``xp``: how objects holding a namespace (caches) pickle it, since a module
+    cannot be pickled. A ``TypeError`` names ``xp`` when it is no importable module.
+
+    Examples:
+        >>> import numpy as np
+        >>> namespace_name(resolve_namespace(np))
+        'array_api_compat.numpy'
+    """
+    import sys
+
+    name = getattr(xp, "__name__", None)
+    if not isinstance(name, str) or sys.modules.get(name) is not xp:
+        raise TypeError(
+            f"the array namespace {xp!r} is not an importable module, so it cannot be "
+            f"pickled by name; use numpy, cupy, torch, jax.numpy, dask.array or "
+            f"array_api_strict (or array-api-compat's wrapper of one)"
+        )
+    return name
+
+
+def namespace_from_name(name: str) -> Namespace:
+    """The namespace :func:`namespace_name` named, imported (and resolved as an ``xp=``
+    argument is) in this process.
+
+    Examples:
+        >>> import numpy as np
+        >>> namespace_from_name("array_api_compat.numpy") is resolve_namespace(np)
+        True
+    """
+    import importlib
+
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a module name (str), got {type(name).__name__}")
+    return resolve_namespace(importlib.import_module(name))
 
 
 def array_namespace(*arrays_or_library: Any) -> Namespace:

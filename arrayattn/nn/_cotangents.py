@@ -39,6 +39,11 @@ class Cotangents(tuple):
         self._value, self._attn_mask = dvalue, dmask
         return self
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # A tuple subclass with a five-argument __new__ and two attributes: pickle (and
+        # copy.deepcopy) rebuild it from all five, e.g. gradients sent back from a worker.
+        return (type(self), (self[0], self[1], self[2], self._value, self._attn_mask))
+
     @property
     def x(self) -> Array:
         """Cotangent of ``x``."""

@@ -19,9 +19,18 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-from .._backend import Array, Namespace, device_of, namespace_of, resolve_namespace
+from .._backend import (
+    Array,
+    Namespace,
+    device_of,
+    namespace_of,
+    require_arrays,
+    resolve_namespace,
+)
+from ._capacity import check_buffer_size
+from ._shared import SharedState, locked
 
-__all__ = ["KVCache", "check_count", "host_lengths"]
+__all__ = ["KVCache", "check_count", "host_lengths", "check_rows"]
 
 
 def check_count(name: str, value: Any, *, minimum: int = 1) -> int:
@@ -68,6 +77,30 @@ def host_lengths(name: str, lengths: Any, batch_size: int, maximum: int) -> tupl
     return out
 
 
+def check_rows(rows: Any, batch_size: int) -> list[int]:
+    """The sequence rows a ``reset``/``free`` names (one int, a sequence of ints or a 1-D
+    integer array) as Python ints, every one checked to be in ``[0, batch_size)`` before
+    the caller changes anything.
+
+    Examples:
+        >>> check_rows(1, 3), check_rows([0, 2], 3)
+        ([1], [0, 2])
+    """
+    # int named beside Integral only so that type checkers narrow it away below.
+    listed = [rows] if isinstance(rows, (int, numbers.Integral)) else rows
+    if isinstance(listed, (str, bytes)) or not hasattr(listed, "__iter__"):
+        raise TypeError(
+            f"rows must be an int, a sequence of ints or None, got {type(rows).__name__} {rows!r}"
+        )
+    out = []
+    for b in listed:
+        b = check_count("rows", b, minimum=0)
+        if b >= batch_size:
+            raise ValueError(f"rows must be in [0, {batch_size}), got {b}")
+        out.append(b)
+    return out
+
+
 def check_new_entries(
     key: Array,
     value: Array,
@@ -80,6 +113,7 @@ def check_new_entries(
     """Validate the ``key``/``value`` entries given to a cache's ``append``: shapes
     ``(B, Hkv, l, D)`` and ``(B, Hkv, l, Dv)``, one dtype, and the per-row counts
     (``lengths``, default ``l`` for every row). Returns the namespace, ``l`` and the counts."""
+    require_arrays(key=key, value=value)
     xp = namespace_of(key=key, value=value)
     ks, vs = tuple(int(d) for d in key.shape), tuple(int(d) for d in value.shape)
     head = (batch_size, num_kv_heads)
@@ -93,13 +127,20 @@ def check_new_entries(
     return xp, ks[2], host_lengths("lengths", n, batch_size, ks[2])
 
 
-class KVCache:
+class KVCache(SharedState):
     """Keys ``(B, Hkv, max_length, D)`` and values ``(B, Hkv, max_length, Dv)``; row ``b``
     holds one sequence whose first ``lengths[b]`` positions are filled.
 
     Create one with :meth:`allocate` (or ``MultiHeadAttention.new_cache``); a module call
     with ``cache=`` appends the new tokens' keys and values (after qk-norm and RoPE) of
     each row at that row's own position and attends over everything the row holds.
+
+    One cache may be shared by threads: every method runs under the cache's re-entrant
+    :attr:`lock`, so concurrent appends serialise (the cache ends as some sequential order
+    of them leaves it) and a read sees the state before or after an append, never half
+    (the arrays :meth:`filled` returns are views of the buffers, which later appends
+    write to: copy them, or hold ``cache.lock``, while other threads write). A cache
+    pickles (and deep-copies) with its contents, to move it to another process.
 
     Args:
         keys: ``(B, Hkv, max_length, D)`` buffer.
@@ -120,6 +161,7 @@ class KVCache:
     """
 
     def __init__(self, keys: Array, values: Array, length: int | Sequence[int] = 0) -> None:
+        self._init_lock()
         xp = namespace_of(keys=keys, values=values)
         if keys.ndim != 4 or values.ndim != 4:
             raise ValueError(
@@ -185,6 +227,7 @@ class KVCache:
         D = check_count("head_dim", head_dim)
         Dv = D if value_dim is None else check_count("value_dim", value_dim)
         self = cls.__new__(cls)
+        self._init_lock()
         self._lengths = np.zeros(B, dtype=np.int64)
         self.keys = self.values = None
         if dtype is None:
@@ -203,6 +246,11 @@ class KVCache:
     def _materialise(self) -> None:
         xp, dev, dt = self.xp, self.device, self._dtype
         B, H, S = self.batch_size, self.num_kv_heads, self._max_length
+        what = (
+            f"KV cache (batch_size={B}, num_kv_heads={H}, max_length={S}, "
+            f"head_dim={self.head_dim}, value_dim={self.value_dim})"
+        )
+        check_buffer_size(what, (B, H, S, self.head_dim + self.value_dim), xp, dev, dt)
         self.keys = xp.zeros((B, H, S, self.head_dim), dtype=dt, device=dev)
         self.values = xp.zeros((B, H, S, self.value_dim), dtype=dt, device=dev)
         self.device = device_of(self.keys)
@@ -220,11 +268,13 @@ class KVCache:
         return self._dtype
 
     @property
+    @locked
     def lengths(self) -> np.ndarray:
         """Filled positions per sequence, a NumPy int64 array ``(B,)`` (a copy)."""
         return self._lengths.copy()
 
     @property
+    @locked
     def length(self) -> int:
         """The filled positions when every row holds the same number (a ``ValueError``
         otherwise: read :attr:`lengths`)."""
@@ -237,12 +287,14 @@ class KVCache:
         return n
 
     @property
+    @locked
     def in_place(self) -> bool:
         """True when appends write into the buffers (the library's arrays are writable)."""
         if self.keys is None:
             return self.xp is None or not array_api_compat.is_jax_namespace(self.xp)
         return bool(array_api_compat.is_writeable_array(self.keys))
 
+    @locked
     def filled(self) -> tuple[Array, Array]:
         """The cached keys and values up to the longest row: ``(B, Hkv, max(lengths), D)``
         and ``(B, Hkv, max(lengths), Dv)`` (views where the library has them; positions
@@ -262,6 +314,7 @@ class KVCache:
         n = int(self._lengths.max())
         return self.keys[:, :, :n, :], self.values[:, :, :n, :]
 
+    @locked
     def reset(self, rows: int | Sequence[int] | None = None) -> None:
         """Forget the cached tokens of ``rows`` (default: every row), e.g. a sequence that
         finished, so its row takes a new sequence. Buffers are kept and overwritten.
@@ -277,14 +330,11 @@ class KVCache:
         if rows is None:
             self._lengths[:] = 0
             return
-        # int named beside Integral only so that type checkers narrow it away below.
-        for b in [rows] if isinstance(rows, (int, numbers.Integral)) else rows:
-            b = check_count("rows", b, minimum=0)
-            if b >= self.batch_size:
-                raise ValueError(f"rows must be in [0, {self.batch_size}), got {b}")
+        for b in check_rows(rows, self.batch_size):  # all checked before any changes
             self._lengths[b] = 0
 
     # -- writing ----------------------------------------------------------------------
+    @locked
     def check_append(self, new_lengths: Sequence[int], dtype: Any = None) -> None:
         """Raise, changing nothing, when appending ``new_lengths[b]`` tokens to each row
         would overflow a row, or when ``dtype`` differs from the buffers' dtype.
@@ -318,6 +368,7 @@ class KVCache:
                 f"the layer's parameters"
             )
 
+    @locked
     def append(
         self, key: Array, value: Array, lengths: Sequence[int] | None = None
     ) -> tuple[Array, Array]:
@@ -325,7 +376,9 @@ class KVCache:
         first ``lengths[b]`` new tokens (default all ``l``; the rest is right padding) at
         positions ``[self.lengths[b], self.lengths[b] + lengths[b])``. Returns the filled
         buffers up to the longest row, ``(B, Hkv, max(self.lengths), D)`` and ``(..., Dv)``
-        (lengths already advanced). A rejected append changes nothing.
+        (lengths already advanced). A rejected append changes nothing, and one interrupted
+        part way (``KeyboardInterrupt``, ``MemoryError``) is undone. Atomic under
+        :attr:`lock`.
 
         Examples:
             >>> import numpy as np
@@ -341,13 +394,17 @@ class KVCache:
         )
         self.check_append(n, key.dtype)
         snap = self._snapshot()
-        if self.keys is None or self._rebinds(key.dtype):
-            self._bind(xp, key)
         try:
-            namespace_of(cache=self.keys, key=key)
-        except TypeError:
+            self._append(xp, key, value, l_new, n)
+        except BaseException:
             self._restore(snap)
             raise
+        return self.filled()
+
+    def _append(self, xp: Any, key: Array, value: Array, l_new: int, n: tuple[int, ...]) -> None:
+        if self.keys is None or self._rebinds(key.dtype):
+            self._bind(xp, key)
+        namespace_of(cache=self.keys, key=key)
         starts = self._lengths.tolist()
         uniform = len(set(starts)) == 1 and all(m == l_new for m in n)
         if uniform:  # one slice for the whole batch: the common decoding step
@@ -360,8 +417,8 @@ class KVCache:
                     kb, vb = key[b : b + 1, :, :m, :], value[b : b + 1, :, :m, :]
                     self.keys = self._write(xp, self.keys, kb, (slice(b, b + 1), s, s + m))
                     self.values = self._write(xp, self.values, vb, (slice(b, b + 1), s, s + m))
-        self._lengths += np.asarray(n, dtype=np.int64)
-        return self.filled()
+        # A new array, not += in place: a snapshot taken before shares no memory with it.
+        self._lengths = self._lengths + np.asarray(n, dtype=np.int64)
 
     def _rebinds(self, dtype: Any) -> bool:
         """True when provisional buffers (``dtype=None``) must be remade for keys of
@@ -394,6 +451,7 @@ class KVCache:
         part = xp.concat((part[:, :, :start, :], new, part[:, :, stop:, :]), axis=2)
         return xp.concat((buffer[:b0, ...], part, buffer[b1:, ...]), axis=0)
 
+    @locked
     def kv_lengths(self, xp: Any = None) -> Array:
         """The filled lengths as an int64 array of the cache's library and device, the
         ``kv_lengths`` of an attention call over :meth:`filled`.
@@ -409,15 +467,18 @@ class KVCache:
         return ns.asarray(self._lengths.tolist(), dtype=ns.int64, device=self.device)
 
     # -- rollback of a failed call ------------------------------------------------------
+    @locked
     def _snapshot(self) -> tuple[Any, ...]:
         # Writes land past the filled lengths; restoring the lengths (and, on immutable
         # backends, the buffer objects) undoes an append completely.
         return (self._lengths.copy(), self.keys, self.values, self._dtype, self.xp, self.device)
 
+    @locked
     def _restore(self, snap: tuple[Any, ...]) -> None:
         lengths, self.keys, self.values, self._dtype, self.xp, self.device = snap
         self._lengths = lengths
 
+    @locked
     def __repr__(self) -> str:
         return (
             f"KVCache(lengths={self._lengths.tolist()}, max_length={self._max_length}, "

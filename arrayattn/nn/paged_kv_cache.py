@@ -14,7 +14,6 @@ cache is never gathered into one ``(B, S)`` buffer.
 from __future__ import annotations
 
 import math
-import numbers
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -23,13 +22,15 @@ import array_api_compat
 import numpy as np
 
 from .._backend import Array, device_of, namespace_of, resolve_namespace
+from ._capacity import check_buffer_size
 from ._paged_kernel import attend_with_kernel, kernel_supports
-from .kv_cache import check_count, check_new_entries, host_lengths
+from ._shared import SharedState, locked
+from .kv_cache import check_count, check_new_entries, check_rows, host_lengths
 
 __all__ = ["PagedKVCache"]
 
 
-class PagedKVCache:
+class PagedKVCache(SharedState):
     """A paged KV cache for ``batch_size`` sequence slots.
 
     Pages: keys ``(num_pages, Hkv, page_size, D)``, values ``(num_pages, Hkv, page_size,
@@ -47,6 +48,12 @@ class PagedKVCache:
         value_dim: value features ``Dv`` (default ``head_dim``).
         xp, device, dtype: where the pages live; ``dtype=None`` creates them at the first
             append in the appended keys' dtype (and, without ``xp``, library and device).
+
+    Threads and processes: every method runs under the cache's re-entrant :attr:`lock`
+    (``append``, ``free``, ``attend`` are each atomic; concurrent appends serialise), as
+    for :class:`~arrayattn.nn.KVCache`; ``block_tables`` and ``free_pages`` are plain
+    lists, to be changed only through the methods while other threads use the cache. It
+    pickles (and deep-copies) with its pages, tables and free list.
 
     Examples:
         >>> import numpy as np
@@ -83,28 +90,47 @@ class PagedKVCache:
         device: Any = None,
         dtype: Any = None,
     ) -> None:
+        self._init_lock()
         self.batch_size = check_count("batch_size", batch_size)
         self.num_pages = check_count("num_pages", num_pages)
         self.page_size = check_count("page_size", page_size)
         self.num_kv_heads = check_count("num_kv_heads", num_kv_heads)
         self.head_dim = check_count("head_dim", head_dim)
         self.value_dim = self.head_dim if value_dim is None else check_count("value_dim", value_dim)
+        ns = None if xp is None and dtype is None else resolve_namespace(xp)
+        # Before the free list (a Python int per page) or any page exists.
+        check_buffer_size(self._what(), self._pool_shape(), ns, device, dtype)
+        free_list = f"{self._what()} free list"
+        check_buffer_size(free_list, (self.num_pages,), np, "cpu", None, itemsize=40)
         self._lengths = np.zeros(self.batch_size, dtype=np.int64)
         self.block_tables: list[list[int]] = [[] for _ in range(self.batch_size)]
         # Pages are taken from the front; a finished sequence's pages go to the back.
         self.free_pages: list[int] = list(range(self.num_pages))
         self.keys: Array | None = None
         self.values: Array | None = None
-        self.xp = None if xp is None and dtype is None else resolve_namespace(xp)
+        self.xp = ns
         self.device = device
         self._dtype = dtype
         if dtype is not None:
             self._materialise()
 
+    def _what(self) -> str:
+        return (
+            f"paged KV cache (num_pages={self.num_pages}, page_size={self.page_size}, "
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"value_dim={self.value_dim})"
+        )
+
+    def _pool_shape(self) -> tuple[int, ...]:
+        """Keys and values of the pool together: ``(num_pages, Hkv, page_size, D + Dv)``."""
+        shape = (self.num_pages, self.num_kv_heads, self.page_size)
+        return shape + (self.head_dim + self.value_dim,)
+
     def _materialise(self) -> None:
         shape = (self.num_pages, self.num_kv_heads, self.page_size)
         xp, dev, dt = self.xp, self.device, self._dtype
         assert xp is not None  # called once the library is known (xp=, dtype= or an append)
+        check_buffer_size(self._what(), self._pool_shape(), xp, dev, dt)
         self.keys = xp.zeros(shape + (self.head_dim,), dtype=dt, device=dev)
         self.values = xp.zeros(shape + (self.value_dim,), dtype=dt, device=dev)
         self.device = device_of(self.keys)
@@ -117,11 +143,13 @@ class PagedKVCache:
         return self._dtype
 
     @property
+    @locked
     def lengths(self) -> np.ndarray:
         """Tokens held per sequence, a NumPy int64 array ``(B,)`` (a copy)."""
         return self._lengths.copy()
 
     @property
+    @locked
     def pages_in_use(self) -> int:
         """Pages held by sequences (the rest are free)."""
         return self.num_pages - len(self.free_pages)
@@ -131,6 +159,7 @@ class PagedKVCache:
         """Tokens the pool holds over all sequences: ``num_pages * page_size``."""
         return self.num_pages * self.page_size
 
+    @locked
     def free(self, rows: int | Sequence[int] | None = None) -> None:
         """End the sequences in ``rows`` (default: all): their pages return to the free
         list (for any sequence to reuse) and their slots start empty.
@@ -145,12 +174,8 @@ class PagedKVCache:
             >>> cache.free_pages, cache.block_tables
             ([2, 3], [[0, 1], []])
         """
-        todo = range(self.batch_size) if rows is None else rows
-        # int named beside Integral only so that type checkers narrow it away below.
-        for b in [todo] if isinstance(todo, (int, numbers.Integral)) else todo:
-            b = check_count("rows", b, minimum=0)
-            if b >= self.batch_size:
-                raise ValueError(f"rows must be in [0, {self.batch_size}), got {b}")
+        todo = range(self.batch_size) if rows is None else check_rows(rows, self.batch_size)
+        for b in todo:  # all checked before any changes (a row named twice frees once)
             self.free_pages.extend(self.block_tables[b])
             self.block_tables[b] = []
             self._lengths[b] = 0
@@ -160,11 +185,12 @@ class PagedKVCache:
     # -- writing ----------------------------------------------------------------------
     def _pages_needed(self, n: Sequence[int]) -> list[int]:
         P = self.page_size
-        return [
-            math.ceil((int(held) + new) / P) - len(table)
+        return [  # integer ceil: exact at any count (a float ceil rounds past 2**53)
+            -(-(int(held) + new) // P) - len(table)
             for held, new, table in zip(self._lengths, n, self.block_tables, strict=True)
         ]
 
+    @locked
     def check_append(self, new_lengths: Sequence[int], dtype: Any = None) -> None:
         """Raise, changing nothing, when the free pages cannot hold ``new_lengths[b]`` more
         tokens of every sequence ``b`` or ``dtype`` differs from the pages' dtype.
@@ -182,16 +208,20 @@ class PagedKVCache:
         n = host_lengths("lengths", new_lengths, self.batch_size, sys.maxsize)
         need = self._pages_needed(n)
         free = len(self.free_pages)
+        left = free
         for b, k in enumerate(need):
-            if k > free:
+            if k > left:
+                taken = f" once sequences 0..{b - 1} take {free - left}" if free > left else ""
                 raise ValueError(
                     f"paged KV cache overflow in sequence {b}: {int(self._lengths[b])} cached "
                     f"+ {n[b]} new tokens need {k} more pages of {self.page_size} tokens, but "
-                    f"only {free} of {self.num_pages} pages are free (capacity {self.capacity} "
-                    f"tokens over all sequences, {int(self._lengths.sum())} held); free() "
-                    f"finished sequences or create a larger cache"
+                    f"only {left} of {self.num_pages} pages are free{taken} (pool "
+                    f"num_pages={self.num_pages}, {free} free before this batch, which needs "
+                    f"{sum(need)}; capacity {self.capacity} tokens over all sequences, "
+                    f"{int(self._lengths.sum())} held); nothing was written; free() finished "
+                    f"sequences or create a larger cache"
                 )
-            free -= k
+            left -= k
         if dtype is not None and self._dtype is not None and dtype != self._dtype:
             raise TypeError(
                 f"the new keys/values have dtype {dtype} but the paged KV cache (capacity "
@@ -200,10 +230,13 @@ class PagedKVCache:
                 f"parameters"
             )
 
+    @locked
     def append(self, key: Array, value: Array, lengths: Sequence[int] | None = None) -> None:
         """Write the first ``lengths[b]`` tokens of ``key[b] (Hkv, l, D)`` and ``value[b]
         (Hkv, l, Dv)`` (default all ``l``) after sequence ``b``'s cached tokens, taking
-        pages from the free list as needed. A rejected append changes nothing.
+        pages from the free list as needed. A rejected append changes nothing (a pool
+        that runs out part way through the batch is found before any page is taken), and
+        one interrupted part way is undone. Atomic under :attr:`lock`.
 
         Examples:
             >>> import numpy as np
@@ -244,6 +277,7 @@ class PagedKVCache:
             pos, t = pos + c, t + c
         self._lengths[b] = pos
 
+    @locked
     def _snapshot(self) -> tuple[Any, ...]:
         return (
             self._lengths.copy(),
@@ -256,11 +290,18 @@ class PagedKVCache:
             self.device,
         )
 
+    @locked
     def _restore(self, snap: tuple[Any, ...]) -> None:
-        (self._lengths, self.block_tables, self.free_pages, self.keys, self.values) = snap[:5]
+        lengths, tables, free, self.keys, self.values = snap[:5]
         self._dtype, self.xp, self.device = snap[5:]
+        self._lengths = lengths.copy()
+        # The same list objects, refilled: a caller holding cache.free_pages sees them.
+        for table, saved in zip(self.block_tables, tables, strict=True):
+            table[:] = saved
+        self.free_pages[:] = free
 
     # -- attention ----------------------------------------------------------------------
+    @locked
     def attend(
         self,
         query: Array,
@@ -428,6 +469,7 @@ class PagedKVCache:
             out.append(block)
         return out[0], out[1]
 
+    @locked
     def __repr__(self) -> str:
         return (
             f"PagedKVCache(lengths={self._lengths.tolist()}, pages_in_use={self.pages_in_use}"

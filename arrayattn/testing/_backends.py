@@ -121,6 +121,11 @@ class Backend:
     def __repr__(self) -> str:
         return self.name
 
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        # By name (a namespace module cannot be pickled): the backend is made again with
+        # make_backend in the process that unpickles it, on the device that name gives.
+        return (make_backend, (self.name,))
+
 
 def _jit_arrays(fn: Any, args: tuple) -> Any:
     """``jax.jit(fn)(*args)`` tracing only the JAX arrays; other positional arguments

@@ -77,6 +77,25 @@ def cached_attention(
     sdpa_args: SdpaArgs,
     opts: dict[str, Any],
 ) -> tuple[Array, Array | None, dict[str, Array]]:
+    """Append the new keys/values to ``cache`` and attend over it, all under the cache's
+    lock (the caller, a module call, holds it already); the cache is restored when
+    anything raises."""
+    with cache.lock:
+        return _cached_attention(cfg, xp, cache, qh, kh, vh, n_new, cross, sdpa_args, opts)
+
+
+def _cached_attention(
+    cfg: AttentionConfig,
+    xp: Any,
+    cache: KVCache | PagedKVCache,
+    qh: Array,
+    kh: Array,
+    vh: Array,
+    n_new: tuple[int, ...],
+    cross: bool,
+    sdpa_args: SdpaArgs,
+    opts: dict[str, Any],
+) -> tuple[Array, Array | None, dict[str, Array]]:
     L = int(qh.shape[-2])
     B = int(qh.shape[0])
     if cross:  # the context's keys/values fill the cache once; every query sees them

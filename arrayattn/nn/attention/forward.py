@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from ..._autodiff import vjp
@@ -45,7 +46,48 @@ def run(
     pullbacks: dict[str, Callable[..., tuple[Any, ...]]] | None,
 ) -> tuple[Array, dict[str, Any]]:
     """The forward pass: ``(out, info)``; ``pullbacks`` (a dict) collects each op's
-    pullback for :func:`~.backward.backward`."""
+    pullback for :func:`~.backward.backward`. With a cache, the whole call holds the
+    cache's lock: the lengths it checks and takes positions from are the ones it appends
+    at, whatever other threads do with the cache."""
+    guard: AbstractContextManager[Any]
+    guard = cache.lock if isinstance(cache, (KVCache, PagedKVCache)) else nullcontext()
+    with guard:
+        return _run(
+            cfg,
+            params,
+            x,
+            context,
+            value,
+            attn_mask,
+            positions,
+            freqs,
+            lengths,
+            padding_side,
+            cache,
+            training,
+            seed,
+            need_weights,
+            pullbacks,
+        )
+
+
+def _run(
+    cfg: AttentionConfig,
+    params: Mapping[str, Array],
+    x: Array,
+    context: Array | None,
+    value: Array | None,
+    attn_mask: Array | None,
+    positions: Any,
+    freqs: Array | None,
+    lengths: Any,
+    padding_side: str,
+    cache: KVCache | PagedKVCache | None,
+    training: bool,
+    seed: int | None,
+    need_weights: bool,
+    pullbacks: dict[str, Callable[..., tuple[Any, ...]]] | None,
+) -> tuple[Array, dict[str, Any]]:
     # Everything is validated before the cache changes: a rejected call changes nothing.
     check_params(cfg, params)
     xp = namespace_of(x=x, context=context, value=value, attn_mask=attn_mask, freqs=freqs)
