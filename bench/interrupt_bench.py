@@ -72,8 +72,12 @@ def _interrupt(call: Callable[[], Any], delay: float) -> dict[str, Any]:
     sender.start()
     try:
         call()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         caught = time.perf_counter()
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        where = "?" if tb is None else f"{tb.tb_frame.f_code.co_name}:{tb.tb_lineno}"
     else:  # finished first: the signal may still arrive
         try:
             sender.join()
@@ -82,7 +86,12 @@ def _interrupt(call: Callable[[], Any], delay: float) -> dict[str, Any]:
             pass
         return {"completed_first": True}
     sender.join()
-    return {"completed_first": False, "surface_s": caught - sent[0], **_settle()}
+    return {
+        "completed_first": False,
+        "surface_s": caught - sent[0],
+        "raised_in": where,
+        **_settle(),
+    }
 
 
 def _pool_cpu() -> float:
@@ -297,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in runs[0]:
         rs = [r[name] for r in runs if not r[name]["completed_first"]]
         if args.names:
-            print(name, [r.get("running_threads") for r in rs], file=sys.stderr)
+            print(name, [(r.get("running_threads"), r.get("raised_in"), round(r["surface_s"], 3))
+                         for r in rs], file=sys.stderr)
         if not rs:
             print(f"| {name} | finished before the signal | | | | | |")
             continue
