@@ -269,11 +269,14 @@ def varlen_attention(
     each sequence's own diagonal.
 
     ``max_seqlen_q``/``max_seqlen_k`` (Python ints, the longest sequence) size the padded
-    batch; when left ``None`` they are read from ``cu_seqlens`` (a device->host sync,
-    which also validates the offsets; pass them under ``jax.jit``). Values above the
-    packed length ``total_q``/``total_k`` are clipped to it (no sequence is longer), so
-    an oversized bound costs no memory. Values smaller than a real length truncate that
-    sequence silently.
+    batch; when left ``None`` they are read from ``cu_seqlens`` (a device->host sync;
+    pass them under ``jax.jit``). The offsets are validated either way (they must start
+    at 0, end at the packed length and never decrease; compared, so values near the
+    dtype's limits cannot wrap), except on JAX and Dask, whose values are not read.
+    Values above the packed length ``total_q``/``total_k`` are clipped to it (no
+    sequence is longer), so an oversized bound costs no memory. Values smaller than a
+    real length truncate that sequence silently. A padded batch that cannot fit in the
+    free memory is a ``MemoryError`` before it is allocated.
 
     Examples:
         >>> import numpy as np
