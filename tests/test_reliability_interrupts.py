@@ -154,3 +154,33 @@ def test_checkpoint_stops_only_an_abandoned_call():
             _threads.checkpoint()
     finally:
         _threads._LOCAL.cancel = None
+
+
+def test_a_failing_call_leaves_a_concurrent_call_on_the_same_pool_whole(monkeypatch):
+    """The cancel flag is per call: a call that fails on the shared pool stops its own
+    units only; another thread's call on the same pool runs all of its units."""
+    monkeypatch.setenv("ARRAYATTN_NUM_THREADS", "2")
+    done: list[int] = []
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            _threads._run_units(
+                list(range(100)), lambda: None, lambda s, u: (time.sleep(0.001), done.append(u)),
+                False,
+            )
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=other)
+    t.start()
+
+    def failing(state, unit):
+        time.sleep(0.001)
+        if unit == 5:
+            raise ValueError("planted")
+
+    with pytest.raises(ValueError, match="planted"):
+        _threads._run_units(list(range(100)), lambda: None, failing, False)
+    t.join(60)
+    assert not errors and sorted(done) == list(range(100))
