@@ -50,6 +50,7 @@ __all__ = [
     "NumpyBridge",
     "numpy_bridge",
     "records_gradients",
+    "available_memory",
 ]
 
 
@@ -707,3 +708,59 @@ def sum_to_shape(xp: Namespace, x: Array, shape: Sequence[int]) -> Array:
 def prod(shape: Sequence[int]) -> int:
     """Product of a shape's sizes (1 for ``()``)."""
     return math.prod(int(d) for d in shape)
+
+
+# -- memory --------------------------------------------------------------------------------
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # cgroup's "max" means no limit
+
+
+def _host_available_bytes() -> int | None:
+    """Bytes of host memory a new allocation can take now: Linux's ``MemAvailable``,
+    lowered to the room left under this process's cgroup (v2) limit when there is one;
+    ``None`` where neither can be read (not Linux)."""
+    found: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    limit = _read_int("/sys/fs/cgroup/memory.max")
+    used = _read_int("/sys/fs/cgroup/memory.current")
+    if limit is not None and used is not None:
+        found.append(max(0, limit - used))
+    return min(found) if found else None
+
+
+def available_memory(xp: Namespace, device: Any) -> int | None:
+    """Bytes that arrays of ``xp`` on ``device`` can still allocate, when the library
+    keeps them in host memory (NumPy, array-api-strict, PyTorch and JAX on the CPU);
+    ``None`` when unknown: GPU memory (the library's own allocator reports it), Dask
+    (its chunks are computed elsewhere, later) or a platform without ``/proc/meminfo``.
+
+    Paths that would allocate more than this check first and raise a ``MemoryError``
+    naming the sizes, instead of allocating (with Linux's overcommit, an allocation the
+    machine cannot back may succeed and the process is killed when it touches it).
+
+    Examples:
+        >>> import numpy as np
+        >>> n = available_memory(resolve_namespace(np), "cpu")
+        >>> n is None or n > 0
+        True
+    """
+    name = library_name(xp)
+    if name in ("numpy", "array_api_strict"):
+        return _host_available_bytes()
+    if name in ("torch", "jax"):
+        kind = getattr(device, "type", None) or getattr(device, "platform", None) or device
+        if str(kind).lower() == "cpu":
+            return _host_available_bytes()
+    return None

@@ -33,6 +33,7 @@ from .._backend import (
 )
 from .cost import CostModel, Features, PathCost
 from .dropout import dropout_keep
+from .fits import require_memory
 from .registry import register_implementation
 from .spec import AttentionSpec
 from .structure import structural_allowed
@@ -43,6 +44,7 @@ __all__ = [
     "COST",
     "AUTO_CHUNK_BYTES",
     "block_bytes",
+    "check_memory",
     "masked_scores",
     "dropout_mask",
     "row_blocks",
@@ -572,13 +574,59 @@ def _concat_rows(xp: Namespace, parts: list[Array]) -> Array:
     return parts[0] if len(parts) == 1 else xp.concat(parts, axis=-2)
 
 
+def check_memory(spec: AttentionSpec, backward: bool = False) -> None:
+    """Raise ``MemoryError`` before allocating when the composed path's working set (its
+    largest row block's scores and temporaries, the output, and for the backward the
+    gradients) exceeds the memory free for the call's arrays
+    (:func:`~arrayattn.attention.fits.require_memory`). A call whose full ``L x S``
+    scores exceed memory still runs while one row block fits (the blocks bound it); a
+    single query row over too many keys, or an output larger than memory, does not.
+
+    Examples:
+        >>> import numpy as np
+        >>> from arrayattn.attention.spec import make_spec
+        >>> q = np.ones((1, 1, 8, 4), np.float32)
+        >>> spec = make_spec(q, q, q, None, 0.0, False, None, False, "top_left", None,
+        ...                  None, None)
+        >>> check_memory(spec)  # a few bytes: fits
+    """
+    heads = spec.batch_size * spec.Hq
+    size = spec.itemsize
+    block = block_bytes(spec)
+    parts = {
+        # the block's scores, exp'd in place, and a same-sized mask or dropout temporary;
+        # the backward's probabilities, dP and dS besides
+        "row-block temporaries": (4 if backward else 2) * block,
+        # the blocks' outputs and their concatenation in the input dtype
+        "output": 2 * heads * spec.L * spec.Ev * size,
+    }
+    if backward:
+        parts["gradients"] = 2 * heads * (spec.L * spec.E + spec.S * (spec.E + spec.Ev)) * size
+    big = parts["output"] + parts.get("gradients", 0)
+    if big > block:
+        advice = (
+            "the output (and gradients) alone are that large: split the call over batch, "
+            "heads or query rows, or pass Dask arrays (implementation='dask') to compute "
+            "it chunk by chunk"
+        )
+    else:
+        advice = (
+            "implementation='chunked' (or 'fast' on NumPy) works in blocks of bounded "
+            "size over the keys; or split the call over batch or heads"
+        )
+    require_memory(spec.xp, spec.device, parts, "implementation='composed'", advice)
+
+
 def forward(
     spec: AttentionSpec, query: Array, key: Array, value: Array, attn_mask: Array | None
 ) -> tuple[Array, Array]:
     """Attention output (user layout, input dtype) and LSE (user layout, float32/64).
 
     Row block by row block (:func:`row_blocks`), each an exact softmax over the keys its
-    rows can see; the normalisation goes on the ``l x Ev`` output, not the scores."""
+    rows can see; the normalisation goes on the ``l x Ev`` output, not the scores.
+    Raises ``MemoryError`` before allocating when a row block or the output cannot fit
+    (:func:`check_memory`)."""
+    check_memory(spec)
     xp = spec.xp
     cd = spec.cdtype
     qg, kg, vg, mask_g = _prepare(spec, query, key, value, attn_mask)
@@ -680,8 +728,10 @@ def backward(
     over the keys each block sees (:func:`row_blocks`).
 
     Returns ``(d_query, d_key, d_value, d_mask)`` in the user's shapes and dtypes;
-    ``d_mask`` is ``None`` unless the mask is a float bias.
+    ``d_mask`` is ``None`` unless the mask is a float bias. Raises ``MemoryError``
+    before allocating when a row block or the gradients cannot fit (:func:`check_memory`).
     """
+    check_memory(spec, backward=True)
     xp = spec.xp
     cd = spec.cdtype
     dev = spec.device

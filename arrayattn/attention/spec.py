@@ -565,6 +565,9 @@ def _per_head_g(
     return xp.reshape(y, tuple(y.shape[:-1]) + tail + (1, 1))
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def _lengths_g(
     xp: Namespace, name: str, lengths: Array | None, lead: tuple[int, ...], size: int
 ) -> Array | None:
@@ -580,6 +583,11 @@ def _lengths_g(
         raise ValueError(
             f"{name} must have the broadcast batch shape {lead} of query/key/value "
             f"(one length per sequence), got shape {shape}"
+        )
+    if size > _INT32_MAX:
+        raise ValueError(
+            f"{name} needs a sequence axis of at most 2**31 - 1 positions (lengths and "
+            f"positions are int32), got {size}"
         )
     dev = device_of(lengths)
     # Clip in the lengths' own dtype, then cast: a cast first wraps 2**32 + 2 to 2.

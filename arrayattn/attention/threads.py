@@ -9,6 +9,13 @@ while the pool runs, and ``fork`` safety.
   sets the number of worker threads (default: the CPUs this process may use), read at
   each call; changing it at run time is safe (the pool only grows, and is never shut down
   under a caller).
+- Interrupts and errors: each call's units share a cancel flag that the workers check
+  between units (and long units at :func:`checkpoint`). The caller waits in short
+  slices, so ``KeyboardInterrupt`` reaches it at once; it then sets the flag, drops the
+  units not started and waits for the running ones to reach their next check (a few
+  milliseconds) before re-raising. An exception in a worker (``MemoryError``) stops the
+  call's other workers the same way and reaches the caller with its own type. No
+  thread keeps computing for a call that has ended, and the pool serves the next call.
 - :func:`one_thread` runs a caller's fast-path calls on its own thread (a Dask task).
 - ``fork``: a forked child builds its own pool (``os.register_at_fork``), and a fork
   waits for fast-path calls running in other threads (:class:`_ForkGate`).
@@ -21,13 +28,14 @@ import functools
 import itertools
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
 
-__all__ = ["num_threads", "one_thread"]
+__all__ = ["checkpoint", "num_threads", "one_thread"]
 
 _LOCAL = threading.local()
 
@@ -263,6 +271,63 @@ if hasattr(os, "register_at_fork"):  # POSIX; spawn and forkserver children star
     )
 
 
+class _Cancelled(Exception):
+    """Raised by :func:`checkpoint` in a worker whose call was abandoned; the worker
+    catches it and returns (it never reaches a caller)."""
+
+
+def checkpoint() -> None:
+    """Stop this unit of work if its call was abandoned: the caller was interrupted
+    (``KeyboardInterrupt``) or another unit of the same call failed.
+
+    The pool's workers check between units; a unit that runs long (the fast backward's
+    unit is all the rows of a (batch, KV head) pair) calls this between its blocks, so
+    abandoned work stops within one block. On the caller's own thread (serial runs) it
+    does nothing: there the exception itself already stops the work.
+
+    Examples:
+        >>> checkpoint()  # outside the pool: nothing to stop
+    """
+    cancel = getattr(_LOCAL, "cancel", None)
+    if cancel is not None and cancel.is_set():
+        raise _Cancelled
+
+
+WAIT_POLL_S = 0.05
+"""The caller waits for its units in slices of this many seconds, so that a signal
+(``KeyboardInterrupt``) reaches it on every platform, not only where lock waits are
+interruptible."""
+DRAIN_S = 10.0
+"""After an interrupt or an error, the caller waits at most this long for the workers to
+leave the unit they are in (one block of work: milliseconds) before it re-raises; a
+second interrupt ends the wait at once."""
+
+
+def _wait_all(futures: Sequence[Future[None]], cancel: threading.Event) -> None:
+    """Wait until every future is done or one has failed (then cancel the rest)."""
+    pending = set(futures)
+    while pending:
+        done, pending = wait(pending, timeout=WAIT_POLL_S, return_when=FIRST_EXCEPTION)
+        if any(not f.cancelled() and f.exception() is not None for f in done):
+            cancel.set()
+            return
+
+
+def _drain(futures: Sequence[Future[None]], cancel: threading.Event) -> None:
+    """Stop a call's work: drop the units not started, and wait (bounded, interruptible)
+    for the running workers to reach their next check and return, so that no thread is
+    left computing for a caller that has gone."""
+    cancel.set()
+    for f in futures:
+        f.cancel()  # queued behind another call's work: never starts
+    deadline = time.monotonic() + DRAIN_S
+    pending = [f for f in futures if not f.done()]
+    # A second interrupt ends the wait (it propagates; the workers still stop).
+    while pending and time.monotonic() < deadline:
+        wait(pending, timeout=WAIT_POLL_S)
+        pending = [f for f in pending if not f.done()]
+
+
 def _run_units(
     units: Sequence[Any],
     make_state: Callable[[], Any],
@@ -270,7 +335,13 @@ def _run_units(
     serial: bool,
 ) -> None:
     """Run ``work(state, unit)`` for every unit, on the pool unless ``serial``; each worker
-    thread builds its own ``state`` (its buffers) once and takes units in order."""
+    thread builds its own ``state`` (its buffers) once and takes units in order.
+
+    An exception in a worker (``MemoryError`` included) reaches the caller with its own
+    type, once the other workers have stopped at their next unit (or
+    :func:`checkpoint`); an exception in the waiting caller (``KeyboardInterrupt``)
+    stops the workers the same way before it propagates. Either way no unit of the call
+    runs after it returns, and the pool serves the next call."""
     n_env = num_threads()
     n = n_env
     if serial or n == 1 or len(units) <= 1:
@@ -282,22 +353,45 @@ def _run_units(
     counter = itertools.count()
     total = len(units)
     errors = np.geterr()  # np.errstate is per thread: carry the caller's into the workers
+    cancel = threading.Event()  # this call's: set when it is abandoned
 
     def worker() -> None:
-        with np.errstate(**errors):
-            state = make_state()
-            while True:
-                i = next(counter)  # atomic under the GIL
-                if i >= total:
-                    return
-                work(state, units[i])
+        if cancel.is_set():
+            return
+        _LOCAL.cancel = cancel
+        try:
+            with np.errstate(**errors):
+                state = make_state()
+                while not cancel.is_set():
+                    i = next(counter)  # atomic under the GIL
+                    if i >= total:
+                        return
+                    work(state, units[i])
+        except _Cancelled:
+            return
+        except BaseException:
+            cancel.set()  # the other workers stop at their next unit
+            raise
+        finally:
+            _LOCAL.cancel = None
 
     with _BLAS_ONE_THREAD:
         # One pool for the whole call, read once: the environment may change meanwhile.
         pool = _pool(n_env)
-        futures = [pool.submit(worker) for _ in range(n)]
-        for f in futures:
-            f.result()
+        futures: list[Future[None]] = []
+        try:
+            for _ in range(n):
+                futures.append(pool.submit(worker))
+            _wait_all(futures, cancel)
+        except BaseException:
+            _drain(futures, cancel)
+            raise
+        if cancel.is_set():  # a worker failed: the others stop, then its error is raised
+            _drain(futures, cancel)
+            for f in futures:
+                exc = f.exception() if f.done() and not f.cancelled() else None
+                if exc is not None:
+                    raise exc
 
 
 def _fork_safe(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -21,7 +21,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._autodiff import Pullback, register_vjp, vjp
-from .._backend import Array, Namespace, device_of, lse_dtype, namespace_of, require_arrays
+from .._backend import (
+    Array,
+    Namespace,
+    device_of,
+    is_lazy,
+    lse_dtype,
+    namespace_of,
+    require_arrays,
+)
+from ..attention.fits import require_memory
 from ..attention.spec import make_spec
 from .attention import implementations, scaled_dot_product_attention, split_cotangent
 
@@ -48,7 +57,8 @@ class _Packing:
 def _packing(xp: Namespace, cu: Array, max_len: int, total: int) -> _Packing:
     dev = device_of(cu)
     n = int(cu.shape[0]) - 1
-    idt = cu.dtype
+    idt = _index_dtype(xp, cu, n, max_len, total)
+    cu = xp.astype(cu, idt, copy=False)
     starts = cu[:-1]
     lengths = cu[1:] - starts
     if n == 0 or max_len == 0 or total == 0:
@@ -95,30 +105,56 @@ def _unpad(xp: Namespace, y: Array, pk: _Packing) -> Array:
     return xp.take(y, pk.unpack_index, axis=1)
 
 
-def _max_len(xp: Namespace, name: str, given: Any, cu: Array, total: int) -> int:
-    if given is not None:
-        if isinstance(given, bool) or not isinstance(given, numbers.Integral):
-            raise TypeError(f"{name} must be an int >= 0 (or None), got {type(given).__name__}")
-        if given < 0:
-            raise ValueError(f"{name} must be an int >= 0 (or None), got {given!r}")
-        # No sequence is longer than the packed total: a larger value (10**7 for a few
-        # tokens) would only size padding, gigabytes of it. Read without a device sync.
-        return min(int(given), total)
-    # Not given: read the offsets once (a device->host sync) and check them on the way.
-    n = int(cu.shape[0]) - 1
+def _check_offsets(xp: Namespace, cu_name: str, cu: Array, total: int) -> None:
+    """``cu`` starts at 0, ends at ``total`` and never decreases. Compared, never
+    subtracted: differences of offsets near the dtype's limits wrap (int32
+    ``-2**31 - (2**31 - 1)`` is ``1``), comparisons do not."""
     first, last = int(cu[0]), int(cu[-1])
-    cu_name = "cu_seqlens_q" if name.endswith("_q") else "cu_seqlens_k"
     if first != 0 or last != total:
         raise ValueError(
             f"{cu_name} must start at 0 and end at the packed length {total}; "
             f"got first {first}, last {last}"
         )
-    if n == 0:
+    if int(cu.shape[0]) > 1 and bool(xp.any(cu[1:] < cu[:-1])):
+        at = int(xp.argmax(xp.astype(cu[1:] < cu[:-1], xp.int8)))
+        raise ValueError(
+            f"{cu_name} must be non-decreasing (lengths >= 0); got {cu_name}[{at + 1}] = "
+            f"{int(cu[at + 1])} after {cu_name}[{at}] = {int(cu[at])}"
+        )
+
+
+def _max_len(xp: Namespace, name: str, given: Any, cu: Array, total: int) -> int:
+    cu_name = "cu_seqlens_q" if name.endswith("_q") else "cu_seqlens_k"
+    if given is not None:
+        if isinstance(given, bool) or not isinstance(given, numbers.Integral):
+            raise TypeError(f"{name} must be an int >= 0 (or None), got {type(given).__name__}")
+        if given < 0:
+            raise ValueError(f"{name} must be an int >= 0 (or None), got {given!r}")
+        if not is_lazy(xp):  # (JAX, Dask: values cannot be read there; the caller's word)
+            _check_offsets(xp, cu_name, cu, total)
+        # No sequence is longer than the packed total: a larger value (10**7 for a few
+        # tokens) would only size padding, gigabytes of it.
+        return min(int(given), total)
+    # Not given: read the offsets once (a device->host sync) and check them on the way.
+    _check_offsets(xp, cu_name, cu, total)
+    if int(cu.shape[0]) == 1:
         return 0
-    lengths = cu[1:] - cu[:-1]
-    if bool(xp.any(lengths < 0)):
-        raise ValueError(f"{cu_name} must be non-decreasing (lengths >= 0)")
-    return int(xp.max(lengths))
+    return int(xp.max(cu[1:] - cu[:-1]))  # (non-decreasing, within [0, total]: no wrap)
+
+
+def _index_dtype(xp: Namespace, cu: Array, n: int, max_len: int, total: int) -> Any:
+    """The offsets' dtype when it holds every padded slot index ``n * max_len`` and the
+    packed total, else int64: int32 offsets of 40,000 sequences padded to 100,000 tokens
+    index 4 * 10**9 slots, which int32 arithmetic would wrap."""
+    need = max(n * max_len, total, max_len)
+    if need <= int(xp.iinfo(cu.dtype).max):
+        return cu.dtype
+    if need > int(xp.iinfo(xp.int64).max):
+        raise ValueError(
+            f"varlen_attention's padded batch has {n} sequences x {max_len} positions = "
+            f"{n * max_len} slots, beyond int64 indexing"
+        )
+    return xp.int64
 
 
 def _validate(query, key, value, cu_seqlens_q, cu_seqlens_k):
@@ -168,6 +204,8 @@ def _setup(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     total_q, total_k = int(query.shape[1]), int(key.shape[1])
     mq = _max_len(xp, "max_seqlen_q", max_seqlen_q, cu_seqlens_q, total_q)
     mk = _max_len(xp, "max_seqlen_k", max_seqlen_k, cu_seqlens_k, total_k)
+    if total_q and total_k:  # (no key or no query: nothing is padded)
+        _check_padding_fits(xp, query, key, value, int(cu_seqlens_q.shape[0]) - 1, mq, mk)
     pq = _packing(xp, cu_seqlens_q, mq, total_q)
     pk = _packing(xp, cu_seqlens_k, mk, total_k)
     return xp, pq, pk
@@ -231,11 +269,14 @@ def varlen_attention(
     each sequence's own diagonal.
 
     ``max_seqlen_q``/``max_seqlen_k`` (Python ints, the longest sequence) size the padded
-    batch; when left ``None`` they are read from ``cu_seqlens`` (a device->host sync,
-    which also validates the offsets; pass them under ``jax.jit``). Values above the
-    packed length ``total_q``/``total_k`` are clipped to it (no sequence is longer), so
-    an oversized bound costs no memory. Values smaller than a real length truncate that
-    sequence silently.
+    batch; when left ``None`` they are read from ``cu_seqlens`` (a device->host sync;
+    pass them under ``jax.jit``). The offsets are validated either way (they must start
+    at 0, end at the packed length and never decrease; compared, so values near the
+    dtype's limits cannot wrap), except on JAX and Dask, whose values are not read.
+    Values above the packed length ``total_q``/``total_k`` are clipped to it (no
+    sequence is longer), so an oversized bound costs no memory. Values smaller than a
+    real length truncate that sequence silently. A padded batch that cannot fit in the
+    free memory is a ``MemoryError`` before it is allocated.
 
     Examples:
         >>> import numpy as np
@@ -316,6 +357,32 @@ def _varlen(query, key, value, cu_q, cu_k, max_q, max_k, options, differentiate)
     out = _unpad(xp, out_p, pq)
     lse = _unpad(xp, xp.expand_dims(lse_p, axis=-1), pq)[..., 0]
     return (out, lse), pullback, (pq, pk)
+
+
+def _check_padding_fits(
+    xp: Namespace, query: Array, key: Array, value: Array, n: int, mq: int, mk: int
+) -> None:
+    """``MemoryError`` before padding when the padded batch of ``n`` sequences of
+    ``mq``/``mk`` positions (its gather indices, query, key, value and the output)
+    cannot fit: one long sequence among many short ones pads them all to its length."""
+    size = 8 if query.dtype == xp.float64 else 4
+    hq, hkv = int(query.shape[0]), int(key.shape[0])
+    e, ev = int(query.shape[-1]), int(value.shape[-1])
+    parts = {
+        "gather indices": n * (mq + mk) * 9,  # int64 slots and a bool validity each
+        f"padded query ({n} x {hq} x {mq} x {e})": n * hq * mq * e * size,
+        f"padded key and value ({n} x {hkv} x {mk} x {e}+{ev})": n * hkv * mk * (e + ev) * size,
+        "padded output": n * max(hq, int(value.shape[0])) * mq * ev * size,
+    }
+    require_memory(
+        xp,
+        device_of(query),
+        parts,
+        "varlen_attention",
+        "the padding grows with the longest sequence: run very unequal sequences in "
+        "separate calls (grouped by length), and pass max_seqlen_q/max_seqlen_k no larger "
+        "than the longest sequence",
+    )
 
 
 @register_vjp(varlen_attention)

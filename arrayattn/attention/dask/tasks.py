@@ -67,6 +67,58 @@ def _in_distributed_worker() -> bool:
     return True
 
 
+def _worker_memory_limit() -> int | None:
+    """The bytes a ``dask.distributed`` worker's nanny lets this process hold before it
+    kills it (``memory_limit`` times the ``terminate`` fraction); ``None`` outside a
+    worker or without a limit."""
+    if not _in_distributed_worker():
+        return None
+    import dask
+
+    worker = sys.modules["distributed"].get_worker()
+    manager = getattr(worker, "memory_manager", worker)
+    limit = getattr(manager, "memory_limit", None)
+    if not limit:
+        return None
+    fraction = dask.config.get("distributed.worker.memory.terminate", 0.95) or 1.0
+    return int(limit * float(fraction))
+
+
+def _nbytes(*arrays: Any) -> int:
+    return sum(int(getattr(x, "nbytes", 0)) for x in arrays if x is not None)
+
+
+def _widened(*arrays: Any) -> int:
+    """Bytes of the float32 copies :func:`_in_compute_dtype` makes of 16-bit arrays."""
+    return sum(2 * _nbytes(x) for x in arrays if x is not None and x.dtype.itemsize == 2)
+
+
+def _require_worker_memory(kind: str, blk: _Block, held: tuple[Any, ...], made: int) -> None:
+    """``MemoryError`` naming the block, its chunks and the chunk size to choose, before
+    a task allocates, when the chunks it holds (``held``) and the arrays it makes
+    (``made`` bytes: its results, float32 copies of 16-bit chunks) exceed the worker's
+    memory limit. Without this the worker's nanny kills the process mid-task, Dask
+    retries the task on other workers (each killed in turn) and the caller gets
+    ``KilledWorker`` naming neither the sizes nor what to change."""
+    limit = _worker_memory_limit()
+    if limit is None:
+        return
+    need = _nbytes(*held) + made
+    if need <= limit:
+        return
+    rows = int(held[0].shape[-2])
+    fit = max(1, int(rows * limit / need / 2))  # half the limit: room for the rest
+    shapes = ", ".join(str(tuple(x.shape)) for x in held[:3])
+    raise MemoryError(
+        f"arrayattn's Dask {kind} task for query rows {blk.row0}..{blk.row0 + rows} "
+        f"needs about {need} bytes (query, key, value chunks {shapes}, and the arrays the "
+        f"task makes) but the worker's memory limit allows {limit} bytes (memory_limit x "
+        f"the 'terminate' fraction); rechunk the sequence axis (-2) of query and "
+        f"key/value to about {fit} rows or fewer (e.g. x.rechunk({{-2: {fit}}})), or give "
+        f"the workers more memory"
+    )
+
+
 def _in_compute_dtype(*arrays):
     """float16/bfloat16 operands in their compute dtype (float32), exactly: a block whose
     results are partial (merged over key blocks, or summed into a gradient) then returns
@@ -101,6 +153,10 @@ def _forward_block(
     from ..threads import one_thread
 
     _keep_freed_memory()
+    # Made: the output (query-sized, value's width) and LSE in the compute dtype.
+    e = max(1, int(q.shape[-1]))
+    made = _nbytes(q) * int(v.shape[-1]) // e + _nbytes(q) // e
+    _require_worker_memory("forward", blk, (q, k, v, mask), made + _widened(q, k, v, mask))
     if blk.partial_keys:  # partial results: kept in the compute dtype until the merge
         q, k, v, mask = _in_compute_dtype(q, k, v, mask)
     spec = blk.spec(q, k, v, mask, q_len, kv_len, alibi)
@@ -269,6 +325,11 @@ def _backward_block(
     from ..threads import one_thread
 
     _keep_freed_memory()
+    # Made: the gradients of query, key, value (and a float mask) in the compute dtype,
+    # and their reduction to the chunks' shapes.
+    held = (q, k, v, mask, out, d_out)
+    made = 2 * _nbytes(q, k, v, mask) + _widened(*held)
+    _require_worker_memory("backward", blk, held, made)
     if delta is not None:
         # The row's D = rowsum(dO * O), made once per query block by `_row_delta` (so the
         # block does not need the output chunk): every implementation computes

@@ -19,7 +19,7 @@ from ..._backend import rowwise_dot
 from .. import threads as _fast_threads
 from ..dropout import dropout_keep
 from ..spec import AttentionSpec
-from ..threads import _fork_safe, _run_units
+from ..threads import _fork_safe, _run_units, checkpoint
 from . import layout as _nf
 from .layout import (
     _add_alibi,
@@ -374,6 +374,7 @@ def _backward_pair(spec, ctx, st, bi, hk, chunk, spans):
         if r_hi > r_lo:
             for h in heads:
                 for r0, r1 in _spans(r_lo, r_hi, ctx["rows"]):
+                    checkpoint()  # an abandoned call (interrupt, a failed unit) stops here
                     _backward_block(
                         spec, ctx, st, structure, bi, b, h, hk, r0, r1, c0, c1, dq, dk, dv
                     )

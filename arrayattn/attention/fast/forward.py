@@ -27,7 +27,7 @@ import numpy as np
 from .. import threads as _fast_threads
 from ..dropout import dropout_keep
 from ..spec import AttentionSpec
-from ..threads import _fork_safe, _run_units
+from ..threads import _fork_safe, _run_units, checkpoint
 from . import layout as _nf
 
 __all__ = ["forward", "tile_plan", "DECODE_BLOCK_ELEMENTS", "MIN_SPLIT_KEYS"]
@@ -263,6 +263,7 @@ def _rows(spec, lay, st, bi, hk, h0, h1, r0, r1, c_lo, c_hi, width, out_t, lse_t
     # P @ bad: non-zero on rows giving weight to a non-finite value row (made NaN).
     touched = None if lay.v_bad is None else np.zeros((R,), cd)
     for c0, c1 in _nf._key_spans(structure, r0, r1, c_lo, c_hi, width):
+        checkpoint()  # an abandoned call (interrupt, a failed unit) stops here
         w = c1 - c0
         s = st.s[:R, :w]
         np.matmul(q_t, lay.k[b + (hk, slice(c0, c1))].T, out=s)
