@@ -68,6 +68,23 @@ def _compute(client, kind: str) -> list[np.ndarray]:
     return client.gather(futures, errors="raise", direct=False) if futures else []
 
 
+def _assert_same_results(got: list, want: list) -> None:
+    """The output, its LSE and dV bit for bit; dQ and dK within a few float32 ulps.
+
+    Why not dQ and dK bit for bit: on a loaded machine, repeated forward+backward computes
+    of one graph on one undisturbed cluster already differ there in about 4% of the
+    elements by about 1 ulp (seen at f5ad515, before this file existed; output and dV
+    never differ). The cause is not found yet (each block task's fast path is
+    bit-reproducible alone); the note of 2026-11-26 records it. A lost worker must not
+    change anything beyond that."""
+    assert len(got) == len(want)
+    for n, (g, w) in enumerate(zip(got, want, strict=True)):
+        if len(got) == 4 and n in (1, 2):  # dQ, dK of a forward+backward
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(g, w)
+
+
 def _kill_second_call(name: str, marker: str) -> None:
     """Runs in each worker: wrap the task function ``name`` so that the first worker to
     reach its second call (the marker file is created once) kills itself."""
@@ -120,16 +137,14 @@ def test_worker_killed_mid_graph_gives_the_undisturbed_result(client, kind, task
     assert os.path.exists(marker), "no worker was killed: the graph ran too few tasks"
     client.wait_for_workers(2, timeout=TIMEOUT_S)  # the nanny restarted the killed one
     assert set(client.run(os.getpid).values()) != pids_before
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_array_equal(g, w)
+    _assert_same_results(got, want)
 
 
 def test_restarted_workers_change_nothing(client):
     want = _compute(client, "forward+backward")
     client.restart(timeout=TIMEOUT_S, wait_for_workers=True)
     got = _compute(client, "forward+backward")
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_array_equal(g, w)
+    _assert_same_results(got, want)
     local = aa.vjp(SDPA, Q, K, V, is_causal=True)
     np.testing.assert_allclose(got[0], local[0], rtol=1e-5, atol=1e-5)
 
