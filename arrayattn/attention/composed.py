@@ -31,6 +31,7 @@ from .._backend import (
     to_floats,
     where_allowed,
 )
+from . import stacked
 from .cost import CostModel, Features, PathCost
 from .dropout import dropout_keep
 from .registry import register_implementation
@@ -579,6 +580,8 @@ def forward(
 
     Row block by row block (:func:`row_blocks`), each an exact softmax over the keys its
     rows can see; the normalisation goes on the ``l x Ev`` output, not the scores."""
+    if spec.stack_kv:  # K/V broadcast over the batch: read once for all rows
+        return stacked.forward(forward, spec, query, key, value, attn_mask)
     xp = spec.xp
     cd = spec.cdtype
     qg, kg, vg, mask_g = _prepare(spec, query, key, value, attn_mask)
@@ -682,6 +685,9 @@ def backward(
     Returns ``(d_query, d_key, d_value, d_mask)`` in the user's shapes and dtypes;
     ``d_mask`` is ``None`` unless the mask is a float bias.
     """
+    if spec.stack_kv:  # K/V broadcast over the batch: dK/dV summed over the rows
+        args = (query, key, value, attn_mask, out, lse, d_out, d_lse)
+        return stacked.backward(backward, spec, *args)
     xp = spec.xp
     cd = spec.cdtype
     dev = spec.device

@@ -1,12 +1,14 @@
 """Layers built on the ops: ``linear``, ``embedding``, activations, the layers ``Linear``,
 ``LayerNorm``, ``RMSNorm``, ``Embedding``, ``MLP``, and ``MultiHeadAttention`` with a
-``KVCache`` (per-sequence lengths) or a ``PagedKVCache``. Parameters are plain dicts of
+``KVCache`` (per-sequence lengths), a ``PagedKVCache`` or a ``CascadeKVCache`` (a shared
+prefix held once). Parameters are plain dicts of
 arrays with Hugging Face names; every layer's backward is composed from the ops'
 hand-written pullbacks."""
 
 from ._cotangents import Cotangents
 from .activations import erf, gelu, silu
 from .attention import MultiHeadAttention
+from .cascade_cache import CascadeKVCache
 from .embedding import embedding
 from .kv_cache import KVCache
 from .layers import MLP, Embedding, LayerCotangents, LayerNorm, Linear, RMSNorm
@@ -29,4 +31,5 @@ __all__ = [
     "Cotangents",
     "KVCache",
     "PagedKVCache",
+    "CascadeKVCache",
 ]

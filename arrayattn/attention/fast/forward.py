@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import stacked as _stacked
 from .. import threads as _fast_threads
 from ..dropout import dropout_keep
 from ..spec import AttentionSpec
@@ -113,6 +114,8 @@ def forward(
         ...                                 implementation="fast").shape
         (1, 8, 1, 4)
     """
+    if spec.stack_kv:  # K/V broadcast over the batch: all rows in each group's tiles
+        return _stacked.forward(forward, spec, query, key, value, attn_mask)
     lay = _nf._Layout(spec, query, key, value, attn_mask)
     cd = lay.cd
     nb = len(lay.lead_index)
@@ -304,13 +307,14 @@ def _rows(spec, lay, st, bi, hk, h0, h1, r0, r1, c_lo, c_hi, width, out_t, lse_t
         np.add(l_sum, np.matmul(s, st.ones[:w], out=st.l_tmp[:R]), out=l_sum)
         if dropout:
             # Global positions: a block of a larger call adds its origins (as_block).
-            b_id = bi if spec.batch_ids is None else spec.batch_ids[bi]
+            # (Stacked rows: the original row and head, AttentionSpec.original_ids.)
+            b_id, heads_id = spec.original_ids(bi, np.arange(h0, h1, dtype=np.int32))
             keep = dropout_keep(
                 np,
                 spec.seed,
                 spec.dropout_p,
-                np.int32(b_id),
-                np.arange(h0 + spec.head0, h1 + spec.head0, dtype=np.int32).reshape(-1, 1, 1),
+                np.asarray(b_id, dtype=np.int32).reshape(-1, 1, 1),
+                np.asarray(heads_id, dtype=np.int32).reshape(-1, 1, 1),
                 np.arange(r0 + spec.row0, r1 + spec.row0, dtype=np.int32).reshape(-1, 1),
                 np.arange(c0 + spec.col0, c1 + spec.col0, dtype=np.int32),
             )
