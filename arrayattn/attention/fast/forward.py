@@ -120,7 +120,7 @@ def forward(
     cd = lay.cd
     nb = len(lay.lead_index)
     n, heads, width = tile_plan(spec)
-    lay.prepare_garbage()
+    lay.prepare_garbage(lazy_values=True)
     # The static bound needs a pass over all of K (its row norms): worth it when the
     # passes it saves over each tile's scores (the row max and the shift) cost more,
     # i.e. with many stacked rows; decode tiles read K once, in the product, instead.
@@ -236,14 +236,22 @@ def _tile(spec, lay, st, static_bound, bi, hk, h0, h1, r0, r1, c0, c1, width, ou
         out_t[...] = 0
         lse_t[...] = -np.inf
         return
+    checked = lay.values_checked  # before the products read lay.v_op / lay.v_bad
     static = False
     if static_bound is not None:
         bound, room = static_bound
         static = float(bound[b + (slice(h0, h1), slice(r0, r1))].max()) + room <= lay.limit
     args = (spec, lay, st, bi, hk, h0, h1, r0, r1, c0, c1, width, out_t, lse_t)
-    if static and _rows(*args, static=True):
+    if not (static and _rows(*args, static=True)):
+        _rows(*args, static=False)
+    if checked:
         return
-    _rows(*args, static=False)
+    # Garbage in V may have met a zero weight: check V (once), then redo the tile on the
+    # exact path, which keeps excluded garbage out and poisons rows that use it. A check
+    # that another tile ran meanwhile may have changed the operands mid-tile: redo too.
+    if lay.values_checked_now() or not np.isfinite(out_t).all():
+        lay.check_values()
+        _rows(*args, static=False)
 
 
 def _rows(spec, lay, st, bi, hk, h0, h1, r0, r1, c_lo, c_hi, width, out_t, lse_t, static):
