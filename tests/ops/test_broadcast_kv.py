@@ -148,7 +148,9 @@ def test_stacked_plan_reads_kv_once_without_a_copy():
     aa.scaled_dot_product_attention(q, k, k, enable_gqa=True, implementation="fast")
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    assert peak < 2 * k.nbytes, peak  # a per-row copy of K alone is B * k.nbytes
+    # Per-row copies of K and V would be 2 * B * k.nbytes (32 MiB); the tiles' scratch is
+    # a few MiB.
+    assert peak < B * k.nbytes // 4, peak
 
 
 def test_lengths_take_the_per_row_route():

@@ -206,7 +206,7 @@ class _Layout:
         if not self._garbage_ready:
             self._garbage_ready = True
             self.q_op, self.k_op, self.v_op = self.q, self.k, self.v
-            self.v_bad = None
+            self.v_bad: np.ndarray | None = None
             self.qk_garbage = False
             self.v_norm = 0.0
             self._qk_checked = False
