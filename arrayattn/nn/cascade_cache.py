@@ -232,6 +232,20 @@ class CascadeKVCache:
         pages = np.array([t + [t[0] if t else 0] * (n - len(t)) for t in tables], np.int64)
         return self.suffix._page_block(xp, pages)
 
+    def _window_mask(
+        self, xp: Any, query: Array, n: Sequence[int], held: np.ndarray,
+        window: tuple[int, int] | None,
+    ) -> Array | None:  # fmt: skip
+        """Bool ``(B, 1, L, P)``: prefix key ``j`` within ``left`` of each query's position
+        ``P + held[b] - n[b] + i`` (``None`` without a left bound: every prefix key is
+        before every query, so a right bound never cuts it)."""
+        if window is None or window[0] < 0:
+            return None
+        P, L = self.prefix_length, int(query.shape[2])
+        pos = P + held[:, None] - np.asarray(n)[:, None] + np.arange(L)[None, :]  # (B, L)
+        keep = np.arange(P)[None, None, :] >= (pos - window[0])[:, :, None]
+        return xp.asarray(keep[:, None], device=device_of(query))
+
     def attend(
         self,
         query: Array,
@@ -239,6 +253,7 @@ class CascadeKVCache:
         *,
         scale: float | None = None,
         causal: bool = False,
+        window: tuple[int, int] | None = None,
         softcap: float | None = None,
         sinks: Array | None = None,
         implementation: str = "auto",
@@ -252,8 +267,11 @@ class CascadeKVCache:
         ``q_lengths[b]`` are padding and return 0 (LSE ``-inf``). ``scale``, ``softcap``
         and ``sinks`` mean what they mean in
         :func:`arrayattn.scaled_dot_product_attention`; query head ``h`` reads KV head
-        ``h // (Hq // Hkv)``. Returns ``(B, Hq, L, Dv)`` in ``query``'s dtype (and the
-        LSE with ``return_lse``)."""
+        ``h // (Hq // Hkv)``. ``window = (left, right)`` is around each query's own
+        position, as in the per-row cache: the suffix call takes it (bottom-right), the
+        prefix call a per-row mask of the prefix keys within ``left`` of the query (the
+        rows stay stacked over the one prefix). Returns ``(B, Hq, L, Dv)`` in ``query``'s
+        dtype (and the LSE with ``return_lse``)."""
         xp = namespace_of(query=query, sinks=sinks)
         if query.ndim != 4 or int(query.shape[0]) != self.batch_size:
             raise ValueError(
@@ -274,8 +292,9 @@ class CascadeKVCache:
         if self.prefix_length > 0:
             pk, pv = self.prefix.filled()  # (1, Hkv, P, D): read once for all rows
             o, lse = scaled_dot_product_attention(
-                query, pk, pv, scale=scale, enable_gqa=True, softcap=softcap,
-                return_lse=True, implementation=implementation, sinks=sinks,
+                query, pk, pv, self._window_mask(xp, query, n, held, window), scale=scale,
+                enable_gqa=True, softcap=softcap, return_lse=True,
+                implementation=implementation, sinks=sinks,
             )  # fmt: skip
             outs.append(o)
             lses.append(lse)
@@ -289,7 +308,7 @@ class CascadeKVCache:
                 q_len = xp.asarray(list(n), dtype=xp.int64, device=dev)
             o, lse = scaled_dot_product_attention(
                 query, kv[0], kv[1], is_causal=causal, scale=scale, enable_gqa=True,
-                causal_align="bottom_right", softcap=softcap, return_lse=True,
+                causal_align="bottom_right", window=window, softcap=softcap, return_lse=True,
                 implementation=implementation, sinks=sinks, kv_lengths=kv_len, q_lengths=q_len,
             )  # fmt: skip
             outs.append(o)

@@ -111,6 +111,7 @@ def cached_attention(
                 n_new,
                 scale=scale,
                 causal=cfg.causal,
+                window=cfg.window,
                 softcap=cfg.softcap,
                 sinks=opts.get("sinks"),
                 implementation=cfg.implementation,

@@ -203,13 +203,12 @@ def _check_cascade(
     mha: Any, context: Any, attn_mask: Any, training: bool, need_weights: bool
 ) -> None:
     """What a :class:`CascadeKVCache` does not take (it attends by prefix and suffix
-    calls merged by LSE): a context, a mask, weights, dropout, a window, ALiBi."""
+    calls merged by LSE): a context, a mask, weights, dropout, ALiBi."""
     for what, bad in (
         ("a context (cross-attention)", context is not None),
         ("attn_mask", attn_mask is not None),
         ("need_weights", need_weights),
         ("dropout (training=True)", training and mha.dropout_p > 0),
-        ("window", getattr(mha, "window", None) is not None),
         ("alibi", getattr(mha, "alibi", False)),
     ):
         if bad:
