@@ -10,12 +10,15 @@ softcaps and query scale, gpt-oss sinks, RoPE and its scaling from ``rope_parame
 ``rope_scaling``) followed by the family's MLP (SwiGLU, Gemma's tanh-GELU, gpt-oss's
 top-k mixture of experts). Prompts of different lengths are left-padded into one batch,
 prefilled in one call per layer and decoded together: every row of the cache appends at
-its own position.
+its own position. Prompts that share a prefix (``--shared-prefix``, or detected when the
+common prefix has at least ``SHARED_PREFIX_MIN`` tokens) are decoded from a
+:class:`arrayattn.nn.CascadeKVCache`: the common prefix prefilled once and held once, each
+row's own rest in its suffix.
 
     python examples/hf_causal_lm.py --model-dir DIR --prompt "Hello" --prompt "Once upon"
     python examples/hf_causal_lm.py --model-dir DIR --prompt-ids "1,2,3;4,5" --max-new-tokens 8
         [--device cpu|cuda] [--dtype float32|float64|float16] [--temperature 0.8 --top-k 50]
-        [--top-p 0.9] [--seed 0] [--cache contiguous|paged]
+        [--top-p 0.9] [--seed 0] [--cache contiguous|paged] [--shared-prefix]
 
 Prompts are text when the directory has ``tokenizer.json`` (read with the ``tokenizers``
 package), else token ids: ``--prompt-ids`` takes comma-separated ids, prompts separated
@@ -46,7 +49,15 @@ from typing import Any, NamedTuple
 import numpy as np
 
 import arrayattn as aa
-from arrayattn.nn import MultiHeadAttention, embedding, gelu, linear, read_safetensors, silu
+from arrayattn.nn import (
+    CascadeKVCache,
+    MultiHeadAttention,
+    embedding,
+    gelu,
+    linear,
+    read_safetensors,
+    silu,
+)
 from arrayattn.nn.checkpoint import (
     CheckpointError,
     TensorInfo,
@@ -59,6 +70,8 @@ from arrayattn.nn.checkpoint import (
 from arrayattn.ops import rms_norm
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_oss")
+SHARED_PREFIX_MIN = 64
+"""Common prompt tokens from which :meth:`CausalLM.generate` uses a cascade cache unasked."""
 
 __all__ = [
     "CausalLM",
@@ -881,13 +894,35 @@ class CausalLM:
         return logits
 
     def new_caches(
-        self, batch_size: int, max_length: int, *, paged: bool = False, page_size: int = 16
+        self,
+        batch_size: int,
+        max_length: int,
+        *,
+        paged: bool = False,
+        page_size: int = 16,
+        shared_prefix: int = 0,
     ) -> list[Any]:
         """One KV cache per layer: :class:`arrayattn.nn.KVCache` rows of ``max_length``,
         or a :class:`arrayattn.nn.PagedKVCache` whose pool holds ``batch_size *
-        max_length`` tokens."""
+        max_length`` tokens; with ``shared_prefix > 0`` a
+        :class:`arrayattn.nn.CascadeKVCache` of that prefix and suffixes of the rest
+        (contiguous or paged)."""
         dtype = self.params["embed"].dtype
         dev = aa.device(self.params["embed"])
+        if shared_prefix > 0:
+            rest = max_length - shared_prefix
+            suffix = (
+                {"num_pages": batch_size * -(-rest // page_size), "page_size": page_size}
+                if paged
+                else {"max_suffix_length": rest}
+            )
+            return [
+                CascadeKVCache(batch_size=batch_size, num_kv_heads=m.kv_heads,
+                               head_dim=m.dim_per_head, value_dim=m.value_dim_per_head,
+                               prefix_length=shared_prefix, xp=self.xp, device=dev,
+                               dtype=dtype, **suffix)  # fmt: skip
+                for m in self.attention
+            ]
         if paged:
             pages = batch_size * -(-max_length // page_size)
             return [
@@ -898,6 +933,22 @@ class CausalLM:
             m.new_cache(batch_size, max_length, xp=self.xp, device=dev, dtype=dtype)
             for m in self.attention
         ]
+
+    def shared_prefix_length(self, prompts: Sequence[Sequence[int]], shared: bool | None) -> int:
+        """Tokens of the prompts' common prefix that a :class:`CascadeKVCache` would hold
+        (each row keeps at least one token of its own), or 0 where it is not used:
+        ``shared=False``, one prompt, a layer with ALiBi (the cascade cache does not take
+        it), or ``shared=None`` (detect) and fewer than
+        ``SHARED_PREFIX_MIN`` common tokens."""
+        if shared is False or len(prompts) < 2:
+            return 0
+        if any(m.alibi for m in self.attention):
+            return 0
+        n = min(len(p) for p in prompts) - 1
+        common = 0
+        while common < n and all(p[common] == prompts[0][common] for p in prompts):
+            common += 1
+        return common if shared or common >= SHARED_PREFIX_MIN else 0
 
     # -- generation ------------------------------------------------------------------
     def generate(
@@ -914,13 +965,16 @@ class CausalLM:
         paged: bool = False,
         progress: Callable[[int, int], None] | None = None,
         stats: dict[str, float] | None = None,
+        shared_prefix: bool | None = None,
     ) -> np.ndarray:
         """New tokens ``(B, T)`` (host int64) for prompts of different lengths, decoded
         together from one cache per layer: greedy with ``temperature=0``, else sampled
         (``top_k``, ``top_p``). A row that emits ``eos_token_id`` is finished: its later
         tokens are ``pad_token_id``, or the first EOS id without one (as Hugging Face's
         ``generate``); decoding stops when every row has finished (``T`` may then be below
-        ``max_new_tokens``)."""
+        ``max_new_tokens``). ``shared_prefix`` (``None``: detect, see
+        :meth:`shared_prefix_length`): the prompts' common prefix is prefilled once into
+        a :class:`arrayattn.nn.CascadeKVCache` per layer and each row's rest after it."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token id lists")
         B = len(prompts)
@@ -938,12 +992,19 @@ class CausalLM:
         ids = np.full((B, L), pad, dtype=np.int64)
         for b, p in enumerate(prompts):
             ids[b, L - len(p) :] = p
-        caches = self.new_caches(B, L + max_new_tokens, paged=paged)
+        P = self.shared_prefix_length(prompts, shared_prefix)
+        caches = self.new_caches(B, L + max_new_tokens, paged=paged, shared_prefix=P)
         rng = np.random.default_rng(seed)
         done = np.zeros(B, dtype=bool)
         out: list[np.ndarray] = []
         t0 = time.perf_counter()
-        logits = self(ids, lengths=lengths, caches=caches, last_only=True)
+        if P:  # the common prefix once, then each row's rest (left-padded) after it
+            self(np.asarray([list(prompts[0][:P])]), caches=[c.prefix for c in caches])
+            rest = [n - P for n in lengths]
+            ids_rest = ids[:, L - max(rest) :]
+            logits = self(ids_rest, lengths=rest, caches=caches, last_only=True)
+        else:
+            logits = self(ids, lengths=lengths, caches=caches, last_only=True)
         t_prefill = time.perf_counter() - t0
         for step in range(max_new_tokens):
             nxt = self._pick(logits[:, -1, :], temperature, top_k, top_p, rng)
@@ -1146,6 +1207,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--allow-nonfinite", action="store_true", help="load weights holding NaN/Inf anyway"
     )
     ap.add_argument("--debug", action="store_true", help="errors with their traceback")
+    ap.add_argument(
+        "--shared-prefix",
+        action="store_true",
+        default=None,
+        help="decode from a cascade cache holding the prompts' common prefix once "
+        "(default: when they share at least SHARED_PREFIX_MIN tokens)",
+    )
     args = ap.parse_args(argv)
     bad = generation_args_error(args)
     if bad:
@@ -1193,6 +1261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         eos_token_id=special["eos_token_id"],
         pad_token_id=special["pad_token_id"],
         paged=args.cache == "paged",
+        shared_prefix=args.shared_prefix,
         progress=None if args.no_progress else progress_bar(),
         stats=stats,
     )

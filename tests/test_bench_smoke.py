@@ -223,3 +223,14 @@ def test_torch_bridge_script_prints_every_row_and_its_ratio(capsys):
             assert f"| {case} | {name} | " in out
     base = next(line for line in out.splitlines() if line.startswith("| full | torch sdpa |"))
     assert base.rstrip(" |").endswith("| 1.00")
+
+
+def test_cascade_bench_quick_prints_both_comparisons(capsys):
+    script = _load_script("cascade_bench")
+    assert script.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    for case in ("copied-prefix decode", "cascade decode", "ragged decode", "uniform"):
+        assert case in out
+    assert "cascade speed-up over copied prefix:" in out and "ragged / uniform" in out
+    diff = float(out.split("max |cascade - copied| ")[1].split(";")[0])
+    assert diff < 1e-5  # the two caches attend to the same keys

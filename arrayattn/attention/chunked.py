@@ -31,6 +31,7 @@ blocks would exceed :data:`AUTO_CHUNK_BYTES`.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from typing import Any, NamedTuple, overload
@@ -45,7 +46,7 @@ from .._backend import (
     workspace,
     writes_in_place,
 )
-from . import composed, static_shift
+from . import composed, stacked, static_shift
 from .composed import AUTO_CHUNK_BYTES
 from .cost import CostModel, Features, PathCost
 from .registry import register_implementation
@@ -254,6 +255,9 @@ def forward(
         >>> out.shape, lse.shape
         ((1, 2, 5, 4), (1, 2, 5))
     """
+    if spec.stack_kv:  # K/V broadcast over the batch: read once for all rows
+        impl = functools.partial(forward, block_q=block_q, block_k=block_k)
+        return stacked.forward(impl, spec, query, key, value, attn_mask)
     bq, bk = _block_sizes(block_q, block_k, spec)
     if spec.L == 0:
         return composed.forward(spec, query, key, value, attn_mask)
@@ -510,6 +514,10 @@ def backward(
         >>> dq.shape, dk.shape, dv.shape, dm
         ((1, 2, 5, 4), (1, 2, 5, 4), (1, 2, 5, 4), None)
     """
+    if spec.stack_kv:  # K/V broadcast over the batch: dK/dV summed over the rows
+        impl = functools.partial(backward, block_q=block_q, block_k=block_k)
+        args = (query, key, value, attn_mask, out, lse, d_out, d_lse)
+        return stacked.backward(impl, spec, *args)
     bq, bk = _block_sizes(block_q, block_k, spec, backward=True)
     if spec.L == 0:
         return composed.backward(spec, query, key, value, attn_mask, out, lse, d_out, d_lse)

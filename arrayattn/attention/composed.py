@@ -31,6 +31,7 @@ from .._backend import (
     to_floats,
     where_allowed,
 )
+from . import stacked
 from .cost import CostModel, Features, PathCost
 from .dropout import dropout_keep
 from .fits import require_memory
@@ -626,6 +627,8 @@ def forward(
     rows can see; the normalisation goes on the ``l x Ev`` output, not the scores.
     Raises ``MemoryError`` before allocating when a row block or the output cannot fit
     (:func:`check_memory`)."""
+    if spec.stack_kv:  # K/V broadcast over the batch: read once for all rows
+        return stacked.forward(forward, spec, query, key, value, attn_mask)
     check_memory(spec)
     xp = spec.xp
     cd = spec.cdtype
@@ -731,6 +734,9 @@ def backward(
     ``d_mask`` is ``None`` unless the mask is a float bias. Raises ``MemoryError``
     before allocating when a row block or the gradients cannot fit (:func:`check_memory`).
     """
+    if spec.stack_kv:  # K/V broadcast over the batch: dK/dV summed over the rows
+        args = (query, key, value, attn_mask, out, lse, d_out, d_lse)
+        return stacked.backward(backward, spec, *args)
     check_memory(spec, backward=True)
     xp = spec.xp
     cd = spec.cdtype

@@ -118,6 +118,17 @@ class AttentionSpec:
     # The attention mask's own dtype (``None`` without a mask): a float mask may differ from
     # the inputs' dtype, and a path that views it in another library must be able to.
     mask_dtype: Any = None
+    # K/V read once for the whole batch (derived in ``make_spec``): key and value have
+    # batch (leading) dims all 1 while the query has ``batch_size > 1`` rows of its own,
+    # and nothing per row (lengths) forbids stacking. The fast, chunked and composed paths
+    # then fold the batch's rows into each KV-head group (``arrayattn.attention.stacked``)
+    # so that one product per tile covers every row; K/V are never copied per row.
+    stack_kv: bool = False
+    # Private: this spec is such a stacked call, of the original ``(batch_size, group)``:
+    # query head ``h'`` of it is row ``(h' // group) % batch_size``, head
+    # ``(h' // (batch_size * group)) * group + h' % group`` of the original call (dropout
+    # hashes the original indices, bit-identical to the non-stacked call).
+    stacked_from: tuple[int, int] | None = None
 
     def as_block(
         self,
@@ -146,6 +157,7 @@ class AttentionSpec:
             row0=row0,
             col0=col0,
             partial_keys=partial_keys,
+            stack_kv=False,
         )
 
     @property
@@ -232,9 +244,26 @@ class AttentionSpec:
         """Grouped output rows -> the user's output shape."""
         return self.xp.reshape(self.ungroup_rows(x), self.out_shape)
 
+    def original_ids(self, bi: int, heads: Any) -> tuple[Any, Any]:
+        """The dropout hash's ``(batch, head)`` indices of flat batch ``bi`` and the
+        (int, or int array of) query heads ``heads`` of this call: the global ones of a
+        block (:meth:`as_block`), the original rows and heads of a stacked call
+        (``stacked_from``)."""
+        if self.stacked_from is not None:
+            rows, group = self.stacked_from
+            h = heads + self.head0
+            return (h // group) % rows, (h // (rows * group)) * group + h % group
+        b = bi if self.batch_ids is None else self.batch_ids[bi]
+        return b, heads + self.head0
+
     def index_arrays(self) -> tuple[Array, Array]:
         """int32 (batch, head) indices in the grouped layout, for dropout."""
         xp = self.xp
+        if self.stacked_from is not None:
+            flat = xp.arange(self.head0, self.head0 + self.Hq, dtype=xp.int32, device=self.device)
+            b, h = self.original_ids(0, flat - self.head0)
+            shape = (1,) * len(self.lead) + (self.Hq // self.G, self.G, 1, 1)
+            return xp.reshape(b, shape), xp.reshape(h, shape)
         if self.batch_ids is None:
             batch = xp.arange(self.batch_size, dtype=xp.int32, device=self.device)
         else:
@@ -322,6 +351,7 @@ def make_spec(
         q_len = q_len_g if q_len_g is not None else L
         offset_g = kv_len - q_len
     cdtype = compute_dtype(xp, query.dtype)
+    stack_kv = _stack_kv(q_shape, k_shape, v_shape, lead, Hq, q_lengths, kv_lengths)
 
     return AttentionSpec(
         xp=xp,
@@ -359,7 +389,34 @@ def make_spec(
         autograd=records_gradients(query, key, value, attn_mask, sinks, alibi_slopes),
         lse_wanted=bool(lse_wanted),
         mask_dtype=None if attn_mask is None else attn_mask.dtype,
+        stack_kv=stack_kv,
     )
+
+
+def _stack_kv(
+    q_shape: Shape,
+    k_shape: Shape,
+    v_shape: Shape,
+    lead: Shape,
+    Hq: int,
+    q_lengths: Array | None,
+    kv_lengths: Array | None,
+) -> bool:
+    """True when one K/V serves several query rows that can be stacked into its head
+    groups: K and V have batch dims all 1, the query has every row of ``lead`` (more than
+    one) and all ``Hq`` heads, and no per-row lengths (a shared K/V seen to different
+    lengths per row takes the per-row route)."""
+    nd = len(lead) + 3
+
+    def batch_dims(s: Shape) -> Shape:
+        return ((1,) * (nd - len(s)) + s)[:-3]
+
+    if prod(lead) <= 1 or q_lengths is not None or kv_lengths is not None:
+        return False
+    if prod(batch_dims(k_shape)) != 1 or prod(batch_dims(v_shape)) != 1:
+        return False
+    q_heads = q_shape[-3] if len(q_shape) >= 3 else 1
+    return batch_dims(q_shape) == lead and q_heads == Hq
 
 
 def _check_qkv(xp: Namespace, query: Array, key: Array, value: Array) -> tuple[Shape, Shape, Shape]:

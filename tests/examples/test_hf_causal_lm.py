@@ -312,6 +312,12 @@ def test_command_line(saved, tmp_path, capsys):
     assert lines[0].startswith("5,6,7 -> ") and lines[1].startswith("8,9 -> ")
     assert "tokens/s" in lines[-1]
     assert "3/3 steps" in out.err  # the progress bar
+    # --shared-prefix: the common "5,6" once in a cascade cache, the same tokens.
+    shared = ["--model-dir", str(tmp_path), "--prompt-ids", "5,6,7;5,6,9", "--no-progress"]
+    assert hf.main([*shared, "--shared-prefix"]) == 0
+    cascade = capsys.readouterr().out.splitlines()[:2]
+    assert hf.main(shared) == 0
+    assert capsys.readouterr().out.splitlines()[:2] == cascade
     # With a tokenizer.json the prompts are text (a word-level tokenizer over the vocab).
     tokenizers = pytest.importorskip("tokenizers")
     Tokenizer, models, pre_tokenizers = (
@@ -427,3 +433,39 @@ def test_eos_and_pad_ids_are_found_where_generate_finds_them(saved, tmp_path, ca
         line.split(" -> ")[1] for line in capsys.readouterr().out.splitlines() if " -> " in line
     ]
     assert [list(map(int, r.split(","))) for r in rows] == new.tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
+def test_shared_prefix_generation_equals_transformers(saved, family):
+    """Prompts sharing a prefix, decoded from a CascadeKVCache per layer (contiguous and
+    paged suffixes; Gemma 2's sliding windows cut the prefix; gpt-oss sinks): the greedy
+    tokens of transformers' generate(), with an EOS list and no pad id (finished rows pad
+    with the first EOS id), and of the per-row caches."""
+    if family == "gpt_oss" and not _op_has_sinks():
+        pytest.skip("scaled_dot_product_attention has no sinks= yet (issue 14, sinks branch)")
+    tmp_path, oracle = saved(family)
+    model = hf.CausalLM.from_pretrained(tmp_path, dtype=np.float64)
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(2, COMMON["vocab_size"], 9).tolist()
+    prompts = [prefix + rng.integers(2, COMMON["vocab_size"], n).tolist() for n in (3, 1, 5)]
+    assert model.shared_prefix_length(prompts, True) == 9
+    assert model.shared_prefix_length(prompts, None) == 0  # below SHARED_PREFIX_MIN
+    L = max(len(p) for p in prompts)
+    ids = np.zeros((len(prompts), L), dtype=np.int64)
+    mask = np.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, L - len(p) :], mask[b, L - len(p) :] = p, 1
+    free = model.generate(prompts, NEW_TOKENS, shared_prefix=False)
+    eos = [int(free[0, 1]), int(free[2, 3])]
+    with hf_float64(), torch.no_grad():
+        seq = oracle.generate(
+            input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+            max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
+        )  # fmt: skip
+    expected = seq[:, L:].numpy()
+    for paged in (False, True):
+        new = model.generate(prompts, NEW_TOKENS, eos_token_id=eos, pad_token_id=None,
+                             shared_prefix=True, paged=paged)  # fmt: skip
+        np.testing.assert_array_equal(new, expected)
+    per_row = model.generate(prompts, NEW_TOKENS, eos_token_id=eos, shared_prefix=False)
+    np.testing.assert_array_equal(per_row, expected)

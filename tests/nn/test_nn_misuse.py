@@ -217,7 +217,12 @@ TABLE = [
         TypeError,
         r"need_weights must be a bool, got str 'y'",
     ),
-    ("cache type", call(cache={}), TypeError, r"cache must be a KVCache or PagedKVCache, got dict"),
+    (
+        "cache type",
+        call(cache={}),
+        TypeError,
+        r"cache must be a KVCache, PagedKVCache or CascadeKVCache, got dict",
+    ),
     (
         "cache rows",
         call(cache=MHA.new_cache(3, 8)),

@@ -319,7 +319,8 @@ def test_decode_tiles_stack_the_group_and_take_all_keys_in_one_block():
     kv = np.ones((1, 8, 32768, 128), np.float32)
     spec = make_spec(q, kv, kv, None, 0.0, True, None, True, "bottom_right", None, None, None)
     n, heads, width = _fast_forward.tile_plan(spec)
-    assert (n, heads) == (1, 4) and width >= 32768 // 4
+    # Decode: a tile takes every head of its row (all 8 KV heads as batched products).
+    assert (n, heads) == (1, 32) and width >= 32768 // 4
 
 
 # ---------------------------------------------------------------------------------------

@@ -114,6 +114,9 @@ def _features(spec: AttentionSpec, threads: int) -> Features:
     visited = visited_per_head(spec) * heads
     n, hs, block = _forward.tile_plan(spec)
     group = spec.Hq if spec.Hkv == 1 else spec.G
+    # (Decode tiles that take every head of a row, forward.all_heads, are still counted
+    # per GQA group: the fitted constants were measured so; refit with calibrate_auto.)
+    hs = min(hs, group)
     tiles = spec.batch_size * (spec.Hq // group) * -(-group // hs) * -(-spec.L // n)
     keys_per_tile = max(1, visited // max(1, heads * spec.L))
     steps = tiles * max(1, -(-keys_per_tile // block))

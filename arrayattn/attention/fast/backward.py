@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..._backend import rowwise_dot
+from .. import stacked as _stacked
 from .. import threads as _fast_threads
 from ..dropout import dropout_keep
 from ..spec import AttentionSpec
@@ -78,11 +79,11 @@ def _scores(spec, lay, st, structure, b, h, hk, r0, r1, c0, c1, q_t, s, tanh=Non
 def _dropout_keep(spec, bi, h, r0, r1, c0, c1):
     """Keep-mask of a tile at global positions (a block of a larger call adds its
     origins, see ``AttentionSpec.as_block``)."""
-    b = bi if spec.batch_ids is None else spec.batch_ids[bi]
+    b, h_id = spec.original_ids(bi, h)
     rows_i = np.arange(r0 + spec.row0, r1 + spec.row0, dtype=np.int32).reshape(-1, 1)
     cols_i = np.arange(c0 + spec.col0, c1 + spec.col0, dtype=np.int32)
     return dropout_keep(
-        np, spec.seed, spec.dropout_p, np.int32(b), np.int32(h + spec.head0), rows_i, cols_i
+        np, spec.seed, spec.dropout_p, np.int32(b), np.int32(h_id), rows_i, cols_i
     )
 
 
@@ -142,6 +143,9 @@ def backward(
         >>> [g.shape for g in pullback(np.ones_like(out))]
         [(1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8, 4)]
     """
+    if spec.stack_kv:  # K/V broadcast over the batch: dK/dV summed over the rows
+        args = (query, key, value, attn_mask, out, lse, d_out, d_lse)
+        return _stacked.backward(backward, spec, *args)
     lay = _Layout(spec, query, key, value, attn_mask)
     cd = lay.cd
     nb = len(lay.lead_index)

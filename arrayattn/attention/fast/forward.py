@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import stacked as _stacked
 from .. import threads as _fast_threads
 from ..dropout import dropout_keep
 from ..spec import AttentionSpec
@@ -46,10 +47,11 @@ MIN_SPLIT_KEYS = 1024
 keys' reading saves."""
 
 
-def _head_groups(spec: AttentionSpec) -> list[tuple[int, int, int]]:
+def _head_groups(spec: AttentionSpec, heads: int) -> list[tuple[int, int, int]]:
     """``(kv_head, first query head, stop)`` for each set of query heads sharing one KV
-    head (the GQA group; all heads when K/V have a single head)."""
-    if spec.Hkv == 1:
+    head (the GQA group; all heads when K/V have a single head, or when a tile takes
+    every head: ``heads == Hq``, see :func:`all_heads`)."""
+    if spec.Hkv == 1 or heads == spec.Hq:
         return [(0, 0, spec.Hq)]
     return [(hk, hk * spec.G, (hk + 1) * spec.G) for hk in range(spec.Hkv)]
 
@@ -57,8 +59,9 @@ def _head_groups(spec: AttentionSpec) -> list[tuple[int, int, int]]:
 def tile_plan(spec: AttentionSpec) -> tuple[int, int, int]:
     """``(rows per head, heads per tile, key-block width)`` of the forward's tiles:
     about :data:`~arrayattn.attention.fast.layout.FWD_ROWS` stacked rows per tile (all the
-    heads of a GQA group when the query rows are few), and a key block of
-    ``BLOCK_ELEMENTS / rows`` keys (:data:`DECODE_BLOCK_ELEMENTS` for decode-like tiles).
+    heads of a GQA group when the query rows are few; every head of the row, all its KV
+    heads, for decode, see :func:`all_heads`), and a key block of ``BLOCK_ELEMENTS / rows``
+    keys (:data:`DECODE_BLOCK_ELEMENTS` for decode-like tiles).
 
     Examples:
         >>> import numpy as np
@@ -66,17 +69,35 @@ def tile_plan(spec: AttentionSpec) -> tuple[int, int, int]:
         >>> q = np.ones((1, 32, 1, 128), np.float32); kv = np.ones((1, 8, 4096, 128), np.float32)
         >>> spec = make_spec(q, kv, kv, None, 0.0, False, None, True, "top_left", None,
         ...                  None, None)
-        >>> tile_plan(spec)  # 4 heads x 1 row, all 4096 keys in one block
-        (1, 4, 4096)
+        >>> tile_plan(spec)  # 32 heads (8 KV heads) x 1 row, all 4096 keys in one block
+        (1, 32, 4096)
     """
     group = spec.Hq if spec.Hkv == 1 else spec.G
     n = min(spec.L, max(1, _nf.FWD_ROWS // group))
     heads = min(group, max(1, _nf.FWD_ROWS // n))
+    if all_heads(spec, n, heads):
+        heads = spec.Hq
     rows = heads * n
     budget = DECODE_BLOCK_ELEMENTS if spec.L <= 16 and rows <= DECODE_ROWS else _nf.BLOCK_ELEMENTS
     budget = max(budget, _nf.BLOCK_ELEMENTS)
     width = max(1, min(spec.S, budget // rows))
     return n, heads, width
+
+
+def all_heads(spec: AttentionSpec, n: int, heads: int) -> bool:
+    """True when a tile takes every query head of its row, over all KV heads at once
+    (batched products, one per KV head in one NumPy call): decode (``L <= 16``) whose
+    tiles already take whole GQA groups and whose row's heads stay within
+    :data:`DECODE_ROWS` stacked rows. The Python work per call then scales with the
+    batch, not with batch x KV heads (a ragged batch of 8 rows x 8 KV heads: 8 tiles,
+    not 64)."""
+    group = spec.Hq if spec.Hkv == 1 else spec.G
+    return (
+        spec.Hkv > 1
+        and spec.L <= 16
+        and heads == group
+        and spec.Hq * n <= DECODE_ROWS
+    )
 
 
 class _State:
@@ -113,11 +134,13 @@ def forward(
         ...                                 implementation="fast").shape
         (1, 8, 1, 4)
     """
+    if spec.stack_kv:  # K/V broadcast over the batch: all rows in each group's tiles
+        return _stacked.forward(forward, spec, query, key, value, attn_mask)
     lay = _nf._Layout(spec, query, key, value, attn_mask)
     cd = lay.cd
     nb = len(lay.lead_index)
     n, heads, width = tile_plan(spec)
-    lay.prepare_garbage()
+    lay.prepare_garbage(lazy_values=True)
     # The static bound needs a pass over all of K (its row norms): worth it when the
     # passes it saves over each tile's scores (the row max and the shift) cost more,
     # i.e. with many stacked rows; decode tiles read K once, in the product, instead.
@@ -129,7 +152,7 @@ def forward(
     tiles = []
     for bi in range(nb):
         st_b = lay.structs[bi]
-        for hk, g0, g1 in _head_groups(spec):
+        for hk, g0, g1 in _head_groups(spec, heads):
             for h0 in range(g0, g1, heads):
                 h1 = min(h0 + heads, g1)
                 for r0, r1 in _nf._spans(0, spec.L, n):
@@ -233,14 +256,22 @@ def _tile(spec, lay, st, static_bound, bi, hk, h0, h1, r0, r1, c0, c1, width, ou
         out_t[...] = 0
         lse_t[...] = -np.inf
         return
+    checked = lay.values_checked  # before the products read lay.v_op / lay.v_bad
     static = False
     if static_bound is not None:
         bound, room = static_bound
         static = float(bound[b + (slice(h0, h1), slice(r0, r1))].max()) + room <= lay.limit
     args = (spec, lay, st, bi, hk, h0, h1, r0, r1, c0, c1, width, out_t, lse_t)
-    if static and _rows(*args, static=True):
+    if not (static and _rows(*args, static=True)):
+        _rows(*args, static=False)
+    if checked:
         return
-    _rows(*args, static=False)
+    # Garbage in V may have met a zero weight: check V (once), then redo the tile on the
+    # exact path, which keeps excluded garbage out and poisons rows that use it. A check
+    # that another tile ran meanwhile may have changed the operands mid-tile: redo too.
+    if lay.values_checked_now() or not np.isfinite(out_t).all():
+        lay.check_values()
+        _rows(*args, static=False)
 
 
 def _rows(spec, lay, st, bi, hk, h0, h1, r0, r1, c_lo, c_hi, width, out_t, lse_t, static):
@@ -250,6 +281,9 @@ def _rows(spec, lay, st, bi, hk, h0, h1, r0, r1, c_lo, c_hi, width, out_t, lse_t
     b = lay.lead_index[bi]
     nh, n = h1 - h0, r1 - r0
     R = nh * n
+    # KV heads of the tile: one, or all of them (decode, all_heads) as batched products.
+    nkv = 1 if spec.Hkv == 1 or nh <= spec.G else nh // spec.G
+    kv_heads = hk if nkv == 1 else slice(hk, hk + nkv)
     cd = lay.cd
     factor = spec.scale if spec.softcap is None else spec.scale / spec.softcap
     q_t = st.q[:R]
@@ -266,7 +300,12 @@ def _rows(spec, lay, st, bi, hk, h0, h1, r0, r1, c_lo, c_hi, width, out_t, lse_t
         checkpoint()  # an abandoned call (interrupt, a failed unit) stops here
         w = c1 - c0
         s = st.s[:R, :w]
-        np.matmul(q_t, lay.k[b + (hk, slice(c0, c1))].T, out=s)
+        k_blk = lay.k[b + (kv_heads, slice(c0, c1))]
+        if nkv == 1:
+            np.matmul(q_t, k_blk.T, out=s)
+        else:  # (nkv, rows of a group, E) @ (nkv, E, w)
+            np.matmul(q_t.reshape(nkv, -1, q_t.shape[-1]), k_blk.transpose(0, 2, 1),
+                      out=s.reshape(nkv, -1, w))  # fmt: skip
         if spec.softcap is not None:
             np.tanh(s, out=s)
             np.multiply(s, spec.softcap, out=s)
@@ -305,24 +344,37 @@ def _rows(spec, lay, st, bi, hk, h0, h1, r0, r1, c_lo, c_hi, width, out_t, lse_t
         np.add(l_sum, np.matmul(s, st.ones[:w], out=st.l_tmp[:R]), out=l_sum)
         if dropout:
             # Global positions: a block of a larger call adds its origins (as_block).
-            b_id = bi if spec.batch_ids is None else spec.batch_ids[bi]
+            # (Stacked rows: the original row and head, AttentionSpec.original_ids.)
+            b_id, heads_id = spec.original_ids(bi, np.arange(h0, h1, dtype=np.int32))
             keep = dropout_keep(
                 np,
                 spec.seed,
                 spec.dropout_p,
-                np.int32(b_id),
-                np.arange(h0 + spec.head0, h1 + spec.head0, dtype=np.int32).reshape(-1, 1, 1),
+                np.asarray(b_id, dtype=np.int32).reshape(-1, 1, 1),
+                np.asarray(heads_id, dtype=np.int32).reshape(-1, 1, 1),
                 np.arange(r0 + spec.row0, r1 + spec.row0, dtype=np.int32).reshape(-1, 1),
                 np.arange(c0 + spec.col0, c1 + spec.col0, dtype=np.int32),
             )
             np.multiply(s3, keep, out=s3)
-        v_blk = lay.v_op[b + (hk, slice(c0, c1))]
-        if touched is not None:
-            touched += s @ lay.v_bad[b + (hk, slice(c0, c1))]
-        if first:
-            np.matmul(s, v_blk, out=acc)
-        else:
-            np.add(acc, np.matmul(s, v_blk, out=st.acc_tmp[:R]), out=acc)
+        v_blk = lay.v_op[b + (kv_heads, slice(c0, c1))]
+        if nkv == 1:
+            if touched is not None:
+                touched += s @ lay.v_bad[b + (hk, slice(c0, c1))]
+            if first:
+                np.matmul(s, v_blk, out=acc)
+            else:
+                np.add(acc, np.matmul(s, v_blk, out=st.acc_tmp[:R]), out=acc)
+        else:  # (nkv, rows of a group, w) @ (nkv, w, Ev)
+            s_kv = s.reshape(nkv, -1, w)
+            if touched is not None:
+                bad = lay.v_bad[b + (kv_heads, slice(c0, c1))][..., None]
+                touched += np.matmul(s_kv, bad).reshape(R)
+            ev = acc.shape[-1]
+            if first:
+                np.matmul(s_kv, v_blk, out=acc.reshape(nkv, -1, ev))
+            else:
+                part = np.matmul(s_kv, v_blk, out=st.acc_tmp[:R].reshape(nkv, -1, ev))
+                np.add(acc, part.reshape(R, ev), out=acc)
         first = False
     lse_r = np.empty((R,), cd)
     if static:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -165,6 +166,7 @@ class _Layout:
         self.sinks = self._per_head(spec.sinks, cd)
         self.alibi = self._per_head(spec.alibi_slopes, cd)
         self._garbage_ready = False
+        self._values_lock = threading.Lock()
 
     def _per_head(self, x, cd):
         if x is None:
@@ -180,7 +182,7 @@ class _Layout:
         self._raw[name] = a  # unbroadcast: data checks read each element once
         return np.broadcast_to(a, self.spec.lead + tail)
 
-    def prepare_garbage(self, backward: bool = False) -> None:
+    def prepare_garbage(self, backward: bool = False, lazy_values: bool = False) -> None:
         """Set up what keeps garbage (NaN, Inf, or values so huge that products overflow)
         in excluded pairs out of every result (SEMANTICS, "Garbage in masked
         positions"), decided on the data once per call, only when the call excludes
@@ -193,23 +195,24 @@ class _Layout:
           that attend to one become NaN), or ``None``;
         - ``qk_garbage``: scores may be non-finite, so a float mask's ``-inf`` must be
           re-applied after the addition (``inf + -inf`` is NaN);
-        - ``v_norm``: the largest value-row norm (bounds ``dO V^T`` in the backward)."""
+        - ``v_norm``: the largest value-row norm (bounds ``dO V^T`` in the backward).
+
+        ``lazy_values`` (the forward): V is not read up front (a pass over the whole
+        buffer, a KV cache's unfilled tail included, cost a third of a decode step);
+        ``values_checked`` stays ``False`` and a tile whose output is not finite calls
+        :meth:`check_values` and is computed again (finite outputs cannot have met
+        garbage: ``0 * NaN`` and ``0 * Inf`` are NaN)."""
         spec = self.spec
         if not self._garbage_ready:
             self._garbage_ready = True
             self.q_op, self.k_op, self.v_op = self.q, self.k, self.v
-            self.v_bad = None
+            self.v_bad: np.ndarray | None = None
             self.qk_garbage = False
             self.v_norm = 0.0
             self._qk_checked = False
-            if spec.may_mask:
-                raw = self._raw["v"]
-                self.v_norm = _max_norm(raw)
-                if not math.isfinite(self.v_norm) and not np.isfinite(raw).all():
-                    self.v_op = np.broadcast_to(_finite_or_zero(raw), self.v.shape)
-                    bad = np.logical_not(np.isfinite(raw).all(axis=-1)).astype(self.cd)
-                    self.v_bad = np.broadcast_to(bad, spec.lead + (spec.Hkv, spec.S))
-                    self.v_norm = _max_norm(_finite_or_zero(raw))
+            self.values_checked = not spec.may_mask
+            if not lazy_values:
+                self.check_values()
         if spec.may_mask and not self._qk_checked and (backward or spec.mask_kind == "float"):
             self._qk_checked = True
             big = float(np.finfo(self.cd).max) / 4
@@ -222,6 +225,27 @@ class _Layout:
                     setattr(self, f"{name}_op", op)
             bound = norms["q"] * norms["k"] * abs(spec.scale)
             self.qk_garbage = spec.mask_kind == "float" and not bound < big
+
+    def check_values(self) -> None:
+        """The value part of :meth:`prepare_garbage` (once; thread-safe)."""
+        with self._values_lock:
+            if self.values_checked:
+                return
+            raw = self._raw["v"]
+            v_norm = _max_norm(raw)
+            if not math.isfinite(v_norm) and not np.isfinite(raw).all():
+                cleaned = _finite_or_zero(raw)
+                bad = np.logical_not(np.isfinite(raw).all(axis=-1)).astype(self.cd)
+                self.v_bad = np.broadcast_to(bad, self.spec.lead + (self.spec.Hkv, self.spec.S))
+                self.v_op = np.broadcast_to(cleaned, self.v.shape)
+                v_norm = _max_norm(cleaned)
+            self.v_norm = v_norm
+            self.values_checked = True
+
+    def values_checked_now(self) -> bool:
+        """``values_checked`` read under the check's lock (never mid-update)."""
+        with self._values_lock:
+            return self.values_checked
 
     def kv_head(self, h: int) -> int:
         spec = self.spec

@@ -29,6 +29,7 @@ from typing import Any, Literal, overload
 from ..._backend import Array
 from .._cotangents import Cotangents
 from .._validate import _flag
+from ..cascade_cache import CascadeKVCache
 from ..kv_cache import KVCache
 from ..paged_kv_cache import PagedKVCache
 from .backward import backward
@@ -271,7 +272,7 @@ class MultiHeadAttention(AttentionConfig):
         freqs: Array | None = None,
         lengths: Any = None,
         padding_side: str = "right",
-        cache: KVCache | PagedKVCache | None = None,
+        cache: KVCache | PagedKVCache | CascadeKVCache | None = None,
         training: bool = False,
         seed: int | None = None,
         need_weights: Literal[False] = False,
@@ -290,7 +291,7 @@ class MultiHeadAttention(AttentionConfig):
         freqs: Array | None = None,
         lengths: Any = None,
         padding_side: str = "right",
-        cache: KVCache | PagedKVCache | None = None,
+        cache: KVCache | PagedKVCache | CascadeKVCache | None = None,
         training: bool = False,
         seed: int | None = None,
         need_weights: Literal[True],
@@ -309,7 +310,7 @@ class MultiHeadAttention(AttentionConfig):
         freqs: Array | None = None,
         lengths: Any = None,
         padding_side: str = "right",
-        cache: KVCache | PagedKVCache | None = None,
+        cache: KVCache | PagedKVCache | CascadeKVCache | None = None,
         training: bool = False,
         seed: int | None = None,
         need_weights: bool = False,
@@ -327,7 +328,7 @@ class MultiHeadAttention(AttentionConfig):
         freqs: Array | None = None,
         lengths: Any = None,
         padding_side: str = "right",
-        cache: KVCache | PagedKVCache | None = None,
+        cache: KVCache | PagedKVCache | CascadeKVCache | None = None,
         training: bool = False,
         seed: int | None = None,
         need_weights: bool = False,
@@ -363,7 +364,8 @@ class MultiHeadAttention(AttentionConfig):
                 token has position 0 (explicit ``positions``/``freqs``, given in the
                 caller's layout, move with their rows); ``attn_mask`` cannot be combined
                 with it.
-            cache: a :class:`KVCache` or :class:`PagedKVCache`. Self-attention: row
+            cache: a :class:`KVCache`, :class:`PagedKVCache` or
+                :class:`CascadeKVCache`. Self-attention: row
                 ``b``'s new keys/values are appended after its own cached tokens and its
                 queries attend to everything it holds (bottom-right causal per sequence
                 when ``causal``; per-sequence ``kv_lengths``, never a dense mask).
@@ -371,7 +373,11 @@ class MultiHeadAttention(AttentionConfig):
                 the context's keys/values, as in encoder-decoder decoding; a call with an
                 empty cache projects the context and fills it, later calls reuse it
                 (``context`` must then have the cached length; ``cache.reset()`` before a
-                new context). A call that raises leaves the cache unchanged.
+                new context). A :class:`CascadeKVCache` (self-attention): the shared
+                prefix, filled once by a call with ``cache=cascade.prefix`` on the common
+                prompt, is read once for all rows and merged by LSE with each row's own
+                suffix, which this call appends to (positions continue after the prefix).
+                A call that raises leaves the cache unchanged.
             training: apply attention dropout (``dropout_p``).
             seed: dropout seed (drawn when ``None``).
             need_weights: also return the attention probabilities, as

@@ -8,6 +8,7 @@ from typing import Any
 from ..._backend import Array, device_of
 from ...attention.spec import make_spec
 from ...ops.attention import scaled_dot_product_attention
+from ..cascade_cache import CascadeKVCache
 from ..kv_cache import KVCache
 from ..paged_kv_cache import PagedKVCache
 from .config import AttentionConfig
@@ -68,7 +69,7 @@ def new_paged_cache(
 def cached_attention(
     cfg: AttentionConfig,
     xp: Any,
-    cache: KVCache | PagedKVCache,
+    cache: KVCache | PagedKVCache | CascadeKVCache,
     qh: Array,
     kh: Array,
     vh: Array,
@@ -121,6 +122,20 @@ def _cached_attention(
     )
     snap = cache._snapshot()
     try:
+        if isinstance(cache, CascadeKVCache):  # shared prefix once + each row's suffix
+            cache.append(kh, vh, n_new)
+            _, _, _, scale, _ = sdpa_args
+            o = cache.attend(
+                qh,
+                n_new,
+                scale=scale,
+                causal=cfg.causal,
+                window=cfg.window,
+                softcap=cfg.softcap,
+                sinks=opts.get("sinks"),
+                implementation=cfg.implementation,
+            )
+            return o, None, {}
         if isinstance(cache, PagedKVCache):
             cache.append(kh, vh, n_new)
             attention_mask, _, _, scale, _ = sdpa_args

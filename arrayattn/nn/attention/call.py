@@ -10,6 +10,7 @@ import array_api_compat
 
 from ..._backend import Array, device_of, namespace_of
 from .._validate import _flag
+from ..cascade_cache import CascadeKVCache
 from ..kv_cache import KVCache, host_lengths
 from ..paged_kv_cache import PagedKVCache
 from .config import AttentionConfig
@@ -107,8 +108,13 @@ def check_call(
         )
     starts = None
     if cache is not None:
-        if not isinstance(cache, (KVCache, PagedKVCache)):
-            raise TypeError(f"cache must be a KVCache or PagedKVCache, got {type(cache).__name__}")
+        if not isinstance(cache, (KVCache, PagedKVCache, CascadeKVCache)):
+            raise TypeError(
+                f"cache must be a KVCache, PagedKVCache or CascadeKVCache, got "
+                f"{type(cache).__name__}"
+            )
+        if isinstance(cache, CascadeKVCache):
+            _check_cascade(mha, context, attn_mask, training, need_weights)
         if cache.batch_size != B:
             raise ValueError(f"cache has {cache.batch_size} sequences (rows) but x has {B} rows")
         kinds = (cache.num_kv_heads, cache.head_dim, cache.value_dim)
@@ -191,3 +197,19 @@ def check_positions(mha: AttentionConfig, x: Array, positions: Any, freqs: Array
             f"positions must be an int or an array (L,) or (B, L) with L={L}, got shape "
             f"{tuple(positions.shape)}"
         )
+
+
+def _check_cascade(
+    mha: Any, context: Any, attn_mask: Any, training: bool, need_weights: bool
+) -> None:
+    """What a :class:`CascadeKVCache` does not take (it attends by prefix and suffix
+    calls merged by LSE): a context, a mask, weights, dropout, ALiBi."""
+    for what, bad in (
+        ("a context (cross-attention)", context is not None),
+        ("attn_mask", attn_mask is not None),
+        ("need_weights", need_weights),
+        ("dropout (training=True)", training and mha.dropout_p > 0),
+        ("alibi", getattr(mha, "alibi", False)),
+    ):
+        if bad:
+            raise ValueError(f"{what} is not supported with a CascadeKVCache")

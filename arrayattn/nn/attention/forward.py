@@ -16,6 +16,7 @@ from ...ops.heads import merge_heads, split_heads
 from ...ops.norms import layer_norm, rms_norm
 from ...ops.rope import apply_rope
 from .._padding import _roll_rows
+from ..cascade_cache import CascadeKVCache
 from ..kv_cache import KVCache
 from ..linear import linear
 from ..paged_kv_cache import PagedKVCache
@@ -39,7 +40,7 @@ def run(
     freqs: Array | None,
     lengths: Any,
     padding_side: str,
-    cache: KVCache | PagedKVCache | None,
+    cache: KVCache | PagedKVCache | CascadeKVCache | None,
     training: bool,
     seed: int | None,
     need_weights: bool,
