@@ -28,6 +28,7 @@ import numpy as np
 from .._backend import Array, device_of, namespace_of
 from ..attention.merge import merge_attention_states
 from ..ops.attention import scaled_dot_product_attention
+from ._shared import SharedState, locked
 from .kv_cache import KVCache, check_count, host_lengths
 from .paged_kv_cache import PagedKVCache
 
@@ -59,7 +60,7 @@ class _PrefixCache(KVCache):
         return super().append(key, value, lengths)
 
 
-class CascadeKVCache:
+class CascadeKVCache(SharedState):
     """A shared prefix of up to ``prefix_length`` tokens, held once (K/V of batch 1), and
     per-row suffixes of ``batch_size`` rows (a :class:`KVCache` of ``max_suffix_length``
     positions, or a :class:`PagedKVCache` when ``num_pages`` is given).
@@ -116,6 +117,7 @@ class CascadeKVCache:
         device: Any = None,
         dtype: Any = None,
     ) -> None:
+        self._init_lock()  # one lock around the prefix and the suffixes (see _shared.py)
         B = check_count("batch_size", batch_size)
         check_count("prefix_length", prefix_length)
         if (max_suffix_length is None) == (num_pages is None):
@@ -169,6 +171,7 @@ class CascadeKVCache:
         """The buffers' dtype (``None`` until known)."""
         return self.prefix.dtype if self.prefix.dtype is not None else self.suffix.dtype
 
+    @locked
     def reset(self, rows: int | Sequence[int] | None = None) -> None:
         """Empty the suffixes of ``rows`` (default: all); the prefix stays. A
         ``ValueError`` for a row outside ``[0, batch_size)``, before anything changes."""
@@ -180,23 +183,27 @@ class CascadeKVCache:
                 raise ValueError(f"rows must be in [0, {self.batch_size}), got {b}")
         self.suffix.reset(items)
 
+    @locked
     def reset_prefix(self) -> None:
         """Empty the prefix (and every suffix, which assumed it)."""
         self.suffix.reset()
         self.prefix.reset()
 
     # -- writing ----------------------------------------------------------------------
+    @locked
     def fill_prefix(self, key: Array, value: Array) -> None:
         """Append ``key (1, Hkv, P, D)`` / ``value (1, Hkv, P, Dv)`` to the shared prefix
         (a ``ValueError``, changing nothing, once suffixes exist or past its capacity)."""
         self.prefix.append(key, value)
 
+    @locked
     def check_append(self, new_lengths: Sequence[int], dtype: Any = None) -> None:
         """Raise, changing nothing, when the suffixes cannot take ``new_lengths[b]``
         tokens of each row ``b`` (a full suffix cache names the row and its capacity)."""
         host_lengths("lengths", new_lengths, self.batch_size, sys.maxsize)
         self.suffix.check_append(new_lengths, dtype)
 
+    @locked
     def append(self, key: Array, value: Array, lengths: Sequence[int] | None = None) -> None:
         """Append ``key (B, Hkv, l, D)`` / ``value`` to the rows' suffixes (row ``b``
         takes its first ``lengths[b]`` tokens, default all ``l``). A rejected append
@@ -210,9 +217,11 @@ class CascadeKVCache:
         self.check_append(n, key.dtype)
         self.suffix.append(key, value, n)
 
+    @locked
     def _snapshot(self) -> tuple[Any, ...]:
         return self.prefix._snapshot(), self.suffix._snapshot()
 
+    @locked
     def _restore(self, snap: tuple[Any, ...]) -> None:
         self.prefix._restore(snap[0])
         self.suffix._restore(snap[1])
@@ -246,6 +255,7 @@ class CascadeKVCache:
         keep = np.arange(P)[None, None, :] >= (pos - window[0])[:, :, None]
         return xp.asarray(keep[:, None], device=device_of(query))
 
+    @locked
     def attend(
         self,
         query: Array,

@@ -199,3 +199,40 @@ def test_needs_exactly_one_suffix_kind():
     with pytest.raises(ValueError, match="exactly one of max_suffix_length"):
         CascadeKVCache(batch_size=2, num_kv_heads=1, head_dim=4, prefix_length=4)
     assert isinstance(make("contiguous").suffix, KVCache)
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_cascade_pickles_with_contents_and_appends_atomically_from_threads(kind):
+    """The cascade is shared like the other caches: one lock around prefix and suffixes
+    (appends from several threads serialise, each key row beside its own value row), and
+    a pickled copy (to a Dask worker, a subprocess) attends bit-identically."""
+    import pickle
+    import threading
+
+    cache = make(kind)
+    rng = np.random.default_rng(5)
+    pk, pv = rng.standard_normal((2, 1, HKV, 5, D))
+    cache.fill_prefix(pk, pv)
+
+    def worker(tag: float) -> None:
+        for _ in range(3):
+            k = np.full((B, HKV, 1, D), tag)
+            cache.append(k, k + 0.5)  # value = key + 0.5 marks the pair
+
+    threads = [threading.Thread(target=worker, args=(float(t),)) for t in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert cache.suffix_lengths.tolist() == [9] * B
+    q = rng.standard_normal((B, HQ, 1, D))
+    out = cache.attend(q)
+    copy = pickle.loads(pickle.dumps(cache))
+    assert copy.lock is not cache.lock
+    np.testing.assert_array_equal(copy.attend(q), out)
+    # every suffix position pairs a key with the value appended beside it
+    suffix = cache.suffix
+    if kind == "contiguous":
+        keys, values = suffix.filled()
+        keys, values = np.asarray(keys), np.asarray(values)
+        np.testing.assert_array_equal(values, keys + 0.5)

@@ -88,7 +88,7 @@ def cached_attention(
 def _cached_attention(
     cfg: AttentionConfig,
     xp: Any,
-    cache: KVCache | PagedKVCache,
+    cache: KVCache | PagedKVCache | CascadeKVCache,
     qh: Array,
     kh: Array,
     vh: Array,

@@ -83,7 +83,7 @@ def _run(
     freqs: Array | None,
     lengths: Any,
     padding_side: str,
-    cache: KVCache | PagedKVCache | None,
+    cache: KVCache | PagedKVCache | CascadeKVCache | None,
     training: bool,
     seed: int | None,
     need_weights: bool,
