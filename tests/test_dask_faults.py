@@ -69,20 +69,14 @@ def _compute(client, kind: str) -> list[np.ndarray]:
 
 
 def _assert_same_results(got: list, want: list) -> None:
-    """The output, its LSE and dV bit for bit; dQ and dK within a few float32 ulps.
-
-    Why not dQ and dK bit for bit: on a loaded machine, repeated forward+backward computes
-    of one graph on one undisturbed cluster already differ there in about 4% of the
-    elements by about 1 ulp (seen at f5ad515, before this file existed; output and dV
-    never differ). The cause is not found yet (each block task's fast path is
-    bit-reproducible alone); the note of 2026-11-26 records it. A lost worker must not
-    change anything beyond that."""
+    """Every result bit for bit. (Until 2026-11-26 dQ and dK of a forward+backward could
+    differ by a float32 ulp from run to run on a loaded machine: a cotangent chunk is a
+    broadcast view where Dask makes it and a contiguous array where it arrives over the
+    network, and NumPy ran products with the broadcast one outside BLAS. The fast path
+    now lays such operands out for BLAS, ``fast.layout.blas_ready``.)"""
     assert len(got) == len(want)
-    for n, (g, w) in enumerate(zip(got, want, strict=True)):
-        if len(got) == 4 and n in (1, 2):  # dQ, dK of a forward+backward
-            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
-        else:
-            np.testing.assert_array_equal(g, w)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
 
 
 def _kill_second_call(name: str, marker: str) -> None:

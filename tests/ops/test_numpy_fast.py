@@ -586,3 +586,30 @@ def test_unaligned_inputs_give_the_aligned_results_bit_for_bit(dtype):
     spec = make_spec(*odd[:3], None, 0.0, True, None, False, "top_left", None, None, None)
     lay = fast._Layout(spec, *odd[:3], None)
     assert all(a.flags.aligned for a in lay._raw.values())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_operand_layout_does_not_change_the_bits(causal):
+    """Broadcast (stride-0) and strided views give the bits of their contiguous copies,
+    forward and backward. NumPy runs a product with a stride-0 operand outside BLAS and
+    rounds differently; on Dask a ``da.ones_like`` cotangent chunk is such a view where it
+    is made and contiguous where it is received, which made dQ/dK vary run to run."""
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((1, 2, 96, 32)).astype(np.float32) for _ in range(3))
+    ones = np.broadcast_to(np.float32(1), q.shape)  # what da.ones_like hands a task
+    row = np.broadcast_to(q[:, :, :1], q.shape)  # every query row the same, stride 0
+    wide = np.zeros((1, 2, 96, 64), np.float32)
+    wide[..., ::2] = k  # a view with feature stride 2
+    k_strided = wide[..., ::2]
+
+    def run(q_, k_, d_out):
+        out, pullback = aa.vjp(
+            aa.scaled_dot_product_attention, q_, k_, v, is_causal=causal, implementation="fast"
+        )
+        return [out, *pullback(d_out)[:3]]
+
+    for args in ((q, k, ones), (row, k, ones), (q, k_strided, ones)):
+        got = run(*args)
+        want = run(*(np.ascontiguousarray(a) for a in args))
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)

@@ -31,7 +31,7 @@ from .layout import (
     _Scratch,
     _spans,
     _static_bounds,
-    aligned,
+    blas_ready,
 )
 
 # Backward static path: |scores| bound and -LSE bound, so exp(S) and exp(-LSE) stay finite
@@ -316,7 +316,7 @@ def _row_totals(spec, lay, lse_f, finite):
 
 
 def _broadcast_rows(spec, x, cd, width):
-    a = aligned(np.asarray(x, dtype=cd)).reshape(spec.out_shape[:-1] + (width,))
+    a = blas_ready(np.asarray(x, dtype=cd)).reshape(spec.out_shape[:-1] + (width,))
     nd = len(spec.lead) + 3
     a = a.reshape((1,) * (nd - a.ndim) + a.shape)
     return np.broadcast_to(a, spec.lead + (spec.Hq, spec.L, width))

@@ -177,7 +177,7 @@ class _Layout:
 
     def _view(self, name, x, shape, nd, tail, cd):
         a = np.asarray(x)
-        a = a.astype(cd) if a.dtype != cd else aligned(a)  # astype's copy is aligned
+        a = a.astype(cd) if a.dtype != cd else blas_ready(a)  # astype's copy is both
         a = a.reshape((1,) * (nd - a.ndim) + a.shape)
         self._raw[name] = a  # unbroadcast: data checks read each element once
         return np.broadcast_to(a, self.spec.lead + tail)
@@ -274,6 +274,34 @@ def aligned(a: np.ndarray) -> np.ndarray:
         (False, True, (3,))
     """
     return a if a.flags.aligned else a.copy()
+
+
+def blas_ready(a: np.ndarray) -> np.ndarray:
+    """``a`` aligned (:func:`aligned`), and copied to C order where its last two axes
+    (rows, features) are not laid out as BLAS takes them: a unit stride along the
+    features and rows no closer than a row's width (a broadcast ``np.broadcast_to``
+    view has stride 0 there).
+
+    Why: NumPy runs a product with such an operand in its own loop, not in BLAS, and
+    that loop rounds differently. The same values then gave other results by a float32
+    ulp, and on Dask a cotangent chunk is a broadcast view where it is made and a
+    contiguous array where it arrives over the network, so a forward+backward graph's
+    dQ and dK changed from run to run with the scheduling (measured 2026-11-26).
+
+    Examples:
+        >>> import numpy as np
+        >>> ones = np.broadcast_to(np.float32(1), (2, 3, 4))
+        >>> ones.strides, blas_ready(ones).strides
+        ((0, 0, 0), (48, 16, 4))
+    """
+    a = aligned(a)
+    if a.ndim < 2 or a.size == 0:
+        return a
+    item = a.itemsize
+    rows, cols = a.shape[-2:]
+    unit = cols == 1 or a.strides[-1] == item
+    spaced = rows == 1 or a.strides[-2] >= cols * item
+    return a if unit and spaced else np.ascontiguousarray(a)
 
 
 def _finite_or_zero(a: np.ndarray) -> np.ndarray:
