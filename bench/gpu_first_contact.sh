@@ -6,9 +6,10 @@
 #                                            # and loaded, smoke vs float64, fp16 L=4096
 #                                            # vs PyTorch flash, the GPU test files,
 #                                            # memcheck and racecheck with CuPy's pool off
-#   bash bench/gpu_first_contact.sh second   # ~300 s, after a clean first: the CuPy backend
-#                                            # subset, tiny GPT on CuPy, the wider benchmark,
-#                                            # decode, L=131072, synccheck
+#   bash bench/gpu_first_contact.sh second   # ~300 s, after a clean first: the PyTorch
+#                                            # bridge on CUDA tensors (fp16/bf16 gradients),
+#                                            # the CuPy backend subset, tiny GPT on CuPy, the
+#                                            # wider benchmark, decode, L=131072, synccheck
 #   TESTS='tests/x.py::test_a ...' bash bench/gpu_first_contact.sh rerun
 #                                            # after a fix: environment, variants, smoke,
 #                                            # those tests (default: the GPU test files)
@@ -163,7 +164,7 @@ export -f env_stage gpu_tests
 # The plans are lists of stages (STAGES=a,b,... picks any of them, in this order).
 case $plan in
 first) default=env,variants,smoke,bench,tests,memcheck_plant,memcheck,racecheck ;;
-second) default=env,variants,bench_wide,bench_fp32,decode,long,tiny_gpt,cupy_tests,synccheck ;;
+second) default=env,variants,bridges,bench_wide,bench_fp32,decode,long,tiny_gpt,cupy_tests,synccheck ;;
 rerun) default=env,variants,smoke,tests ;;
 esac
 STAGES=${STAGES:-$default}
@@ -177,6 +178,9 @@ stage bench 100 "$py" bench/gpu_bench.py --dtypes float16 --head-dims 64,128 \
   --lengths 4096 --backward --no-composed --no-append --reps 30 --out "$out/bench.md"
 # shellcheck disable=SC2086 # TESTS is a list of test files or ids
 stage tests 150 gpu_tests $TESTS
+# bridges: arrayattn.torch on CUDA tensors (DLPack to CuPy, bfloat16 as int16 storage),
+# gradients against PyTorch's SDPA autograd in float16/bfloat16/float32 (issue 31)
+stage bridges 90 gpu_tests tests/bridges/torch/test_function_gpu.py
 stage cupy_tests 120 env ARRAYATTN_BACKENDS=cupy "$py" -m pytest -q -p no:cacheprovider \
   -n "${JOBS:-8}" --maxfail=25 --timeout=120 -rfE tests/ops/test_attention.py \
   tests/ops/test_vjp.py tests/ops/test_sinks_alibi.py tests/ops/test_lengths.py \
