@@ -11,23 +11,19 @@ import importlib.util
 
 import pytest
 
-collect_ignore_glob: list[str] = []
-
-# find_spec on the real top-level name: a namespace package (a bare "torch" folder) has no
-# origin and does not count as installed.
-for _framework in ("torch", "jax"):
-    _spec = importlib.util.find_spec(_framework)
-    if _spec is None or _spec.origin is None:
-        collect_ignore_glob.append(f"arrayattn/{_framework}/*.py")
-
-
-
 _OPTIONAL = ("torch", "jax", "dask", "cupy", "array_api_strict", "transformers", "safetensors")
 
 
 def _installed(name: str) -> bool:
+    """find_spec on the real top-level name: a namespace package (a bare "torch" folder)
+    has no origin and does not count as installed."""
     spec = importlib.util.find_spec(name)
     return spec is not None and spec.origin is not None
+
+
+collect_ignore_glob = [
+    f"arrayattn/{name}/*.py" for name in ("torch", "jax") if not _installed(name)
+]
 
 
 def _imports(example: object) -> set[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -51,6 +52,8 @@ __all__ = [
     "numpy_bridge",
     "records_gradients",
     "available_memory",
+    "physical_memory",
+    "in_host_memory",
 ]
 
 
@@ -738,6 +741,36 @@ def _host_available_bytes() -> int | None:
     if limit is not None and used is not None:
         found.append(max(0, limit - used))
     return min(found) if found else None
+
+
+def physical_memory() -> int | None:
+    """The machine's physical memory in bytes, or ``None`` where the OS does not say: the
+    most any host buffer can ever hold (:func:`available_memory` is what can be allocated
+    now)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def in_host_memory(xp: Namespace, device: Any) -> bool:
+    """Whether arrays of ``xp`` on ``device`` live in host memory: on the library's default
+    device (``device=None``) NumPy, Dask (whose chunks are host arrays) and
+    array-api-strict; else a device whose type or platform names the CPU.
+
+    Examples:
+        >>> import numpy as np
+        >>> in_host_memory(np, None), in_host_memory(np, "cuda:0")
+        (True, False)
+    """
+    if device is None:  # the library's default device
+        return bool(
+            array_api_compat.is_numpy_namespace(xp)
+            or array_api_compat.is_dask_namespace(xp)
+            or array_api_compat.is_array_api_strict_namespace(xp)
+        )
+    kind = getattr(device, "platform", None) or getattr(device, "type", None) or device
+    return "cpu" in str(kind).lower()
 
 
 def available_memory(xp: Namespace, device: Any) -> int | None:

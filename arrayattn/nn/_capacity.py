@@ -7,23 +7,15 @@ size, or a lazily committed buffer that fails at its first write."""
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
-import array_api_compat
 import numpy as np
 
-__all__ = ["check_buffer_size", "host_memory"]
+from .._backend import in_host_memory, physical_memory
+
+__all__ = ["check_buffer_size"]
 
 INT64_MAX = 2**63 - 1
-
-
-def host_memory() -> int | None:
-    """The machine's physical memory in bytes, or ``None`` where the OS does not say."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 def _itemsize(xp: Any, dtype: Any) -> int:
@@ -38,18 +30,6 @@ def _itemsize(xp: Any, dtype: Any) -> int:
         return int(np.dtype(dtype).itemsize)
     except Exception:  # a dtype object NumPy does not know
         return 8
-
-
-def _on_host(xp: Any, device: Any) -> bool:
-    """Whether arrays of ``xp`` on ``device`` live in host memory."""
-    if device is None:  # the library's default device
-        return bool(
-            array_api_compat.is_numpy_namespace(xp)
-            or array_api_compat.is_dask_namespace(xp)
-            or array_api_compat.is_array_api_strict_namespace(xp)
-        )
-    kind = getattr(device, "platform", None) or getattr(device, "type", None) or device
-    return "cpu" in str(kind).lower()
 
 
 def check_buffer_size(
@@ -79,7 +59,7 @@ def check_buffer_size(
     """
     elements = math.prod(shape)
     need = elements * (_itemsize(xp, dtype) if itemsize is None else itemsize)
-    limit = host_memory() if xp is not None and _on_host(xp, device) else None
+    limit = physical_memory() if xp is not None and in_host_memory(xp, device) else None
     if elements > INT64_MAX:
         reason = f"{elements} elements, more than an int64 counts ({INT64_MAX})"
     elif limit is not None and need > limit:
