@@ -164,7 +164,7 @@ export -f env_stage gpu_tests
 # The plans are lists of stages (STAGES=a,b,... picks any of them, in this order).
 case $plan in
 first) default=env,variants,smoke,bench,tests,memcheck_plant,memcheck,racecheck ;;
-second) default=env,variants,bridges,bench_wide,bench_fp32,decode,long,tiny_gpt,cupy_tests,synccheck ;;
+second) default=env,variants,bridges,bridge_bench,bench_wide,bench_fp32,decode,long,tiny_gpt,cupy_tests,synccheck ;;
 rerun) default=env,variants,smoke,tests ;;
 esac
 STAGES=${STAGES:-$default}
@@ -181,6 +181,8 @@ stage tests 150 gpu_tests $TESTS
 # bridges: arrayattn.torch on CUDA tensors (DLPack to CuPy, bfloat16 as int16 storage),
 # gradients against PyTorch's SDPA autograd in float16/bfloat16/float32 (issue 31)
 stage bridges 90 gpu_tests tests/bridges/torch/test_function_gpu.py
+# bridge_bench: bfloat16 and float16 through arrayattn.torch vs PyTorch flash, same tensors
+stage bridge_bench 90 "$py" bench/gpu_torch_bridge.py --out "$out/bench.md"
 stage cupy_tests 120 env ARRAYATTN_BACKENDS=cupy "$py" -m pytest -q -p no:cacheprovider \
   -n "${JOBS:-8}" --maxfail=25 --timeout=120 -rfE tests/ops/test_attention.py \
   tests/ops/test_vjp.py tests/ops/test_sinks_alibi.py tests/ops/test_lengths.py \

@@ -361,7 +361,7 @@ def test_decode_shapes_run_the_decode_kernels(monkeypatch, dtype, case) -> None:
 
     calls = []
     real = decode.forward
-    monkeypatch.setattr(decode, "forward", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(decode, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     B, Hq, Hkv, L, S, E, opts = DECODE_CASES[case]
     _run_case(dtype, B, Hq, Hkv, L, S, E, seed_data=S, **dict(opts))
     assert calls, "the decode kernels did not run"
