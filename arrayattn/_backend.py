@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import sys
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -126,6 +127,8 @@ def known_shape(name: str, x: Array) -> tuple[int, ...]:
         (2, 3)
     """
     sizes = tuple(x.shape)
+    if all(type(d) is int for d in sizes):  # the common case, without the checks below
+        return sizes
     unknown = [ax for ax, d in enumerate(sizes) if d is None or d != d]  # d != d: NaN
     if not unknown:
         return tuple(int(d) for d in sizes)
@@ -138,8 +141,39 @@ def known_shape(name: str, x: Array) -> tuple[int, ...]:
     )
 
 
+# Per-call host cost matters: a decode step on a GPU moves a few MB (microseconds at HBM
+# speed) and its Python dispatch is the call's speed. The two lookups below depend only on
+# an array's type (and a dtype), so they are remembered per type; the caches stay small
+# (one entry per array type or dtype a process meets) and are bounded all the same.
+_CACHE_LIMIT = 256
+_NAMESPACE_BY_TYPE: dict[type, Namespace] = {}
+_FLOATING: dict[tuple[int, Any], bool] = {}
+_DEVICE_ATTRIBUTE_TYPES: dict[ModuleType | None, tuple[type, ...]] = {}
+
+
+def _device_attribute_types() -> tuple[type, ...]:
+    """Array types whose ``.device`` attribute is what ``array_api_compat.device`` returns
+    (NumPy 2 ndarrays, CuPy ndarrays once CuPy is imported), read without the library
+    probing."""
+    cupy = sys.modules.get("cupy")
+    types = _DEVICE_ATTRIBUTE_TYPES.get(cupy)
+    if types is None:
+        import numpy
+
+        found: list[type] = []
+        if hasattr(numpy.empty(0), "device"):
+            found.append(numpy.ndarray)
+        cupy_type = getattr(cupy, "ndarray", None)
+        if isinstance(cupy_type, type):
+            found.append(cupy_type)
+        types = _DEVICE_ATTRIBUTE_TYPES[cupy] = tuple(found)
+    return types
+
+
 def device_of(x: Array) -> Any:
     """The device an array lives on, in its own library's terms."""
+    if type(x) in _device_attribute_types():
+        return x.device
     return array_api_compat.device(x)
 
 
@@ -155,11 +189,18 @@ def namespace_of(**arrays: Array | None) -> Namespace:
         raise TypeError(f"{listed} must be an array from an array-API library, got None")
     namespaces: dict[str, Namespace] = {}
     for name, a in present.items():
-        if not array_api_compat.is_array_api_obj(a) or isinstance(a, (bool, int, float, complex)):
-            raise TypeError(
-                f"{name} must be an array from an array-API library, got {type(a).__name__}"
-            )
-        namespaces[name] = array_api_compat.array_namespace(a)
+        xp_a = _NAMESPACE_BY_TYPE.get(type(a))
+        if xp_a is None:
+            if not array_api_compat.is_array_api_obj(a) or isinstance(
+                a, (bool, int, float, complex)
+            ):
+                raise TypeError(
+                    f"{name} must be an array from an array-API library, got {type(a).__name__}"
+                )
+            xp_a = array_api_compat.array_namespace(a)
+            if len(_NAMESPACE_BY_TYPE) < _CACHE_LIMIT:
+                _NAMESPACE_BY_TYPE[type(a)] = xp_a
+        namespaces[name] = xp_a
     names = list(present)
     first = names[0]
     xp = namespaces[first]
@@ -311,7 +352,16 @@ def _numpy_probe() -> Array:
 
 def is_real_floating(xp: Namespace, dtype: Any) -> bool:
     """True for float16, bfloat16, float32, float64 (and other real floating dtypes)."""
-    return bool(xp.isdtype(dtype, "real floating"))
+    try:
+        return _FLOATING[(id(xp), dtype)]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable dtype object: ask every time
+        return bool(xp.isdtype(dtype, "real floating"))
+    result = bool(xp.isdtype(dtype, "real floating"))
+    if len(_FLOATING) < _CACHE_LIMIT:
+        _FLOATING[(id(xp), dtype)] = result
+    return result
 
 
 def compute_dtype(xp: Namespace, dtype: Any) -> Any:
@@ -675,6 +725,10 @@ def records_gradients(*arrays: Array | None) -> bool:
 
 def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
     """NumPy broadcasting of shapes, without touching any array. Raises ``ValueError``."""
+    if shapes and all(type(d) is int for d in shapes[0]):
+        first = tuple(shapes[0])
+        if all(tuple(s) == first for s in shapes[1:]):  # equal shapes: nothing to do
+            return first
     ndim = max((len(s) for s in shapes), default=0)
     out = []
     for axis in range(ndim):

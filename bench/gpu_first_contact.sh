@@ -202,6 +202,8 @@ stage bench_fp32 60 "$py" bench/gpu_bench.py --dtypes float32,float64 --head-dim
 stage decode 60 bash -c 'for d in 1 0; do ARRAYATTN_FUSED_DECODE=$d "$0" bench/gpu_bench.py \
   --decode 4096,16384,65536,131072 --reps 30 --out "$1"; done' "$py" "$out/bench.md"
 stage long 60 "$py" bench/gpu_bench.py --long --out "$out/bench.md"
+# host: where the host time of a small fused call goes (cProfile of the decode call)
+stage host 60 "$py" bench/gpu_host_overhead.py
 sanitize memcheck_plant 30 memcheck --plant-oob --dtypes none # must report 1 error
 sanitize memcheck 90 memcheck
 sanitize racecheck 90 racecheck --small --dtypes float16,float32,bfloat16,float64

@@ -35,8 +35,24 @@ def kernel_kind(spec: AttentionSpec) -> str | None:
     ``"float64"``; bfloat16 also when the arrays are its int16 storage), or ``None``."""
     if spec.kernel_kind is not None:
         return spec.kernel_kind
-    name = str(spec.dtype).removeprefix("torch.")
-    return name if name in KINDS else None
+    dtype = spec.dtype
+    try:
+        return _KIND_BY_DTYPE[dtype]
+    except (KeyError, TypeError):  # TypeError: an unhashable dtype object
+        pass
+    name = str(dtype).removeprefix("torch.")
+    kind = name if name in KINDS else None
+    try:
+        if len(_KIND_BY_DTYPE) < 64:
+            _KIND_BY_DTYPE[dtype] = kind
+    except TypeError:
+        pass
+    return kind
+
+
+# ``str(dtype)`` costs microseconds per call and every launch asks (a decode step's host
+# time is its speed), so the answer is remembered per dtype object.
+_KIND_BY_DTYPE: dict[Any, str | None] = {}
 
 
 def compute_capability(spec: AttentionSpec) -> int:
@@ -103,6 +119,9 @@ def _batch_stride(
 
 
 def _data_ptr(x: Any) -> int:
+    ptr = getattr(getattr(x, "data", None), "ptr", None)  # CuPy: no interface dict to build
+    if type(ptr) is int:
+        return ptr
     iface = getattr(x, "__cuda_array_interface__", None) or x.__array_interface__
     return int(iface["data"][0])
 
