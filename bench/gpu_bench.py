@@ -438,6 +438,13 @@ def long_rows(L: int = 131072, H: int = 8, D: int = 128) -> list[str]:
     return lines
 
 
+def _env_switches() -> str:
+    """The ``ARRAYATTN_*`` variables set for this run (kernel variant switches such as
+    ``ARRAYATTN_FWD_VARIANT``), as ``" NAME=value"`` words for a table's header line."""
+    return "".join(f" {k}={v}" for k, v in sorted(os.environ.items())
+                   if k.startswith("ARRAYATTN_") and v)  # fmt: skip
+
+
 def _cuda_torch():
     try:
         import torch
@@ -517,8 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         if args.out:
             with open(args.out, "a", encoding="utf-8") as f:
-                dec = os.environ.get("ARRAYATTN_FUSED_DECODE")
-                env = f" ARRAYATTN_FUSED_DECODE={dec}" if dec else ""
+                env = _env_switches()
                 f.write(f"\n{device_name()} {_commit()}{env} {' '.join(argv or sys.argv[1:])}\n\n")
                 f.write(text + "\n")
         return 0
@@ -554,11 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out:
         with open(args.out, "a", encoding="utf-8") as f:
-            env = "".join(
-                f" {k}={os.environ[k]}"
-                for k in ("ARRAYATTN_FWD_TC_MT", "ARRAYATTN_FUSED_DECODE")
-                if os.environ.get(k)
-            )
+            env = _env_switches()
             f.write(
                 f"\n{device_name()} {_commit()}{env} {' '.join(argv or sys.argv[1:])}\n\n{text}\n"
             )

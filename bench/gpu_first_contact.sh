@@ -14,7 +14,9 @@
 #                                            # after a fix: environment, variants, smoke,
 #                                            # those tests (default: the GPU test files)
 #   STAGES=env,tiny_gpt,decode bash bench/gpu_first_contact.sh second   # any stages
-#   (also cupy_all: every ops/nn test on CuPy; fwd_mt_ab: forward MT=1 vs MT=2 tiles)
+#   (also cupy_all: every ops/nn test on CuPy; fwd_mt_ab: forward MT=1 vs MT=2 tiles;
+#   ab_fwd, ab_bwd, ab_decode: the v1 and v2 kernel variants timed one after the other;
+#   host: where a small call's host time goes)
 #
 # Every stage runs under `timeout` with min(its cap, the time left of BUDGET seconds), so a
 # hang costs one stage and the last stages are skipped, never the whole run. Everything is
@@ -176,11 +178,29 @@ stage variants 120 "$py" bench/gpu_variants.py --jobs 14 --out "$out/variants.md
 stage smoke 90 "$py" bench/gpu_sanitize.py --check
 stage bench 100 "$py" bench/gpu_bench.py --dtypes float16 --head-dims 64,128 \
   --lengths 4096 --backward --no-composed --no-append --reps 30 --out "$out/bench.md"
+# A/B of the kernel variants (issue 36): today's (v1) and the new (v2), the same grid each,
+# one switch at a time; the tables' header lines name the switch
+ab() { # ab SWITCH ARGS...: gpu_bench.py with SWITCH=v1, then SWITCH=v2
+  local switch=$1 v
+  shift
+  for v in v1 v2; do env "$switch=$v" "$py" bench/gpu_bench.py --no-composed --no-append "$@"; done
+}
+export -f ab
+stage ab_fwd 80 ab ARRAYATTN_FWD_VARIANT --dtypes float16 --head-dims 64,128 \
+  --lengths 2048,8192 --reps 15 --out "$out/bench.md"
+stage ab_bwd 120 ab ARRAYATTN_BWD_VARIANT --dtypes float16 --head-dims 64,128 --lengths 4096 \
+  --backward --reps 15 --out "$out/bench.md"
+stage ab_decode 60 ab ARRAYATTN_DECODE_VARIANT --decode 4096,16384,65536,131072 --reps 30 \
+  --out "$out/bench.md"
 # shellcheck disable=SC2086 # TESTS is a list of test files or ids
 stage tests 150 gpu_tests $TESTS
 # bridges: arrayattn.torch on CUDA tensors (DLPack to CuPy, bfloat16 as int16 storage),
 # gradients against PyTorch's SDPA autograd in float16/bfloat16/float32 (issue 31)
 stage bridges 90 gpu_tests tests/bridges/torch/test_function_gpu.py
+# jax_gpu: arrayattn.jax (custom_vjp, our backward) on JAX's default device there, the GPU
+# (float32 matmuls at full precision: JAX uses TF32 on the GPU by default, and the tests
+# compare float32 results to 1e-5)
+stage jax_gpu 90 env JAX_DEFAULT_MATMUL_PRECISION=highest bash -c 'gpu_tests tests/bridges/jax'
 # bridge_bench: bfloat16 and float16 through arrayattn.torch vs PyTorch flash, same tensors
 stage bridge_bench 90 "$py" bench/gpu_torch_bridge.py --out "$out/bench.md"
 stage cupy_tests 120 env ARRAYATTN_BACKENDS=cupy "$py" -m pytest -q -p no:cacheprovider \
