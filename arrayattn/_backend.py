@@ -35,6 +35,7 @@ __all__ = [
     "library_name",
     "is_numpy",
     "is_cupy",
+    "plain_array_types",
     "is_dask",
     "is_lazy",
     "compute_dtype",
@@ -151,10 +152,16 @@ _FLOATING: dict[tuple[int, Any], bool] = {}
 _DEVICE_ATTRIBUTE_TYPES: dict[ModuleType | None, tuple[type, ...]] = {}
 
 
-def _device_attribute_types() -> tuple[type, ...]:
-    """Array types whose ``.device`` attribute is what ``array_api_compat.device`` returns
-    (NumPy 2 ndarrays, CuPy ndarrays once CuPy is imported), read without the library
-    probing."""
+def plain_array_types() -> tuple[type, ...]:
+    """The array types whose attributes say all a call needs to know about them (NumPy 2
+    ndarrays, CuPy ndarrays once CuPy is imported): ``.device`` is what
+    ``array_api_compat.device`` returns, and no autograd or tracing state rides on them.
+
+    Examples:
+        >>> import numpy as np
+        >>> np.ndarray in plain_array_types()
+        True
+    """
     cupy = sys.modules.get("cupy")
     types = _DEVICE_ATTRIBUTE_TYPES.get(cupy)
     if types is None:
@@ -172,7 +179,7 @@ def _device_attribute_types() -> tuple[type, ...]:
 
 def device_of(x: Array) -> Any:
     """The device an array lives on, in its own library's terms."""
-    if type(x) in _device_attribute_types():
+    if type(x) in plain_array_types():
         return x.device
     return array_api_compat.device(x)
 

@@ -469,3 +469,49 @@ def test_shared_prefix_generation_equals_transformers(saved, family):
         np.testing.assert_array_equal(new, expected)
     per_row = model.generate(prompts, NEW_TOKENS, eos_token_id=eos, shared_prefix=False)
     np.testing.assert_array_equal(per_row, expected)
+
+
+def _cupy_device():
+    """CuPy when it has a CUDA device, else ``None`` (the GPU tests below then skip)."""
+    try:
+        import cupy
+
+        return cupy if cupy.cuda.runtime.getDeviceCount() > 0 else None
+    except Exception:  # no CuPy, no driver, no device
+        return None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gpt_oss"])
+def test_cupy_logits_and_greedy_generation_equal_transformers(family, saved):
+    """The runner on CuPy arrays (the fused kernels: prefill, split-KV decode, and the
+    paged cache's kernel) against transformers' float64 oracle on the CPU: logits to
+    1e-9 in float64, greedy tokens equal with both cache kinds."""
+    cupy = _cupy_device()
+    if cupy is None:
+        pytest.skip("no CUDA device through CuPy")
+    if family == "gpt_oss" and not _op_has_sinks():
+        pytest.skip("scaled_dot_product_attention has no sinks= yet")
+    tmp_path, oracle = saved(family)
+    model = hf.CausalLM.from_pretrained(tmp_path, xp=cupy, dtype=np.float64)
+    prompts, ids, mask = padded_batch()
+    real = mask.astype(bool)
+    got = cupy.asnumpy(model(cupy.asarray(ids), lengths=PROMPT_LENGTHS))
+    with hf_float64():
+        expected = hf_logits(oracle, ids, mask)
+    err = np.max(np.abs(got[real] - expected[real])) / np.max(np.abs(expected[real]))
+    assert err <= 1e-9, f"{family} on CuPy: max relative logit error {err:.3g}"
+    with hf_float64(), torch.no_grad():
+        seq = oracle.generate(
+            input_ids=torch.from_numpy(ids),
+            attention_mask=torch.from_numpy(mask),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=PAD,
+            eos_token_id=None,
+        )
+    expected_tokens = seq[:, ids.shape[1] :].numpy()
+    for paged in (False, True):
+        new = model.generate(prompts, NEW_TOKENS, eos_token_id=None, pad_token_id=PAD,
+                             paged=paged)  # fmt: skip
+        np.testing.assert_array_equal(cupy.asnumpy(cupy.asarray(new)), expected_tokens)
