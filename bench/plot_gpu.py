@@ -38,18 +38,21 @@ def last_run(text: str, device: str | None) -> tuple[str, str, list[dict]]:
     runs = [r for r in runs if r[0] and (device is None or r[0] == device)]
     if not runs:
         raise SystemExit(f"no GPU run{' of ' + device if device else ''} in the file")
-    dev, date, lines = runs[-1]
-    rows, header = [], None
-    for line in lines:
-        if not line.startswith("|"):
-            header = None
-            continue
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if cells[0] == "dtype":
-            header = cells
-        elif header and not set(cells[0]) <= {"-"}:
-            rows.append(dict(zip(header, cells, strict=False)))
-    return dev, date, rows
+    for dev, date, lines in reversed(runs):  # the last run with gpu_bench.py's tables
+        rows, header = [], None
+        for line in lines:
+            if not line.startswith("|"):
+                header = None
+                continue
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if cells[0] == "dtype":
+                header = cells
+            elif header and not set(cells[0]) <= {"-"}:
+                rows.append(dict(zip(header, cells, strict=False)))
+        rows = [r for r in rows if "fused TFLOP/s" in r]
+        if rows:
+            return dev, date, rows
+    raise SystemExit("no GPU run with gpu_bench.py's tables in the file")
 
 
 def main(argv: list[str] | None = None) -> int:
