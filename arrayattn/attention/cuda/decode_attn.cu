@@ -476,34 +476,64 @@ __global__ void __launch_bounds__(AA_DEC2_WARPS * 32, AaDec2Occ<T, D, ROWS>::MIN
         l[rr] = (Acc)0;
     }
 
-    // v1's per-key update, unchanged.
-    auto consume = [&](int j, bool key_in, const Acc (&kf)[EPL], const Acc (&vf)[EPL]) {
+    // Each row's keys inside this split, [jlo, jhi): aa_allowed's window and kv_len bound
+    // and the split's end folded into two compares per key (empty for padding rows).
+    int jlo[ROWS], jhi[ROWS];
+#pragma unroll
+    for (int rr = 0; rr < ROWS; ++rr) {
+        const long long c = (long long)row_i[rr] + offset;
+        long long a = j0, z = j1;
+        if (left >= 0 && c - left > a) a = c - left;
+        if (right >= 0 && c + right + 1 < z) z = c + right + 1;
+        if (kv_len < z) z = kv_len;
+        jlo[rr] = row_ok[rr] ? (int)a : 1;
+        jhi[rr] = row_ok[rr] ? (int)(z > a ? z : a) : 0;
+    }
+
+    // The per-key update. Against v1: every row's dot product and shuffle level is issued
+    // before any row's update (v1 runs a row's whole chain -- dot, 4 dependent shuffles,
+    // exp2s -- before the next row's starts), and the running maximum is rescaled only
+    // when it grows (rarely after the first keys: one exp2 and LG-lane FFMAs per key and
+    // row instead of two exp2s, a multiply and an FFMA per element). Same online softmax,
+    // other rounding.
+    auto consume = [&](int j, const Acc (&kf)[EPL], const Acc (&vf)[EPL]) {
+        Acc sc[ROWS];
 #pragma unroll
         for (int rr = 0; rr < ROWS; ++rr) {
             Acc s = (Acc)0;
 #pragma unroll
             for (int e = 0; e < EPL; ++e) s += qf[rr][e] * kf[e];
+            sc[rr] = s;
+        }
 #pragma unroll
-            for (int o = LG / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-            if (!(key_in && row_ok[rr] &&
-                  aa_allowed(row_i[rr], j, offset, left, right, kv_len)))
-                continue;
+        for (int o = LG / 2; o > 0; o >>= 1) {
+#pragma unroll
+            for (int rr = 0; rr < ROWS; ++rr) sc[rr] += __shfl_xor_sync(0xffffffffu, sc[rr], o);
+        }
+#pragma unroll
+        for (int rr = 0; rr < ROWS; ++rr) {
+            if (j < jlo[rr] || j >= jhi[rr]) continue;
+            Acc s = sc[rr];
             if (softcap > (Acc)0) s = softcap * aa_dec_tanh(s / softcap);
             if (alibi != nullptr) s -= slope[rr] * (Acc)aa_alibi_dist(row_i[rr], j, offset);
             const Acc s2 = s * LOG2E;
-            const Acc mn = s2 > m[rr] ? s2 : m[rr];
-            const Acc c = aa_exp2(m[rr] - mn);  // 0 while m is -inf
-            const Acc p = aa_exp2(s2 - mn);
-            l[rr] = l[rr] * c + p;
+            if (s2 > m[rr]) {  // a new maximum: rescale the sums (exp2(-inf) = 0 at first)
+                const Acc c = aa_exp2(m[rr] - s2);
+                l[rr] *= c;
 #pragma unroll
-            for (int e = 0; e < EPL; ++e) acc[rr][e] = acc[rr][e] * c + p * vf[e];
-            m[rr] = mn;
+                for (int e = 0; e < EPL; ++e) acc[rr][e] *= c;
+                m[rr] = s2;
+            }
+            const Acc p = aa_exp2(s2 - m[rr]);
+            l[rr] += p;
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) acc[rr][e] += p * vf[e];
         }
     };
 
     // The ring: P steps per iteration, slot s always holding step t + s. The bounds are
     // warp-uniform (wb), so every lane takes part in the shuffles; a lane group past j1
-    // consumes nothing (key_in false).
+    // consumes nothing (jhi <= j1).
     for (int t = 0; wb + t * STEP < j1; t += P) {
 #pragma unroll
         for (int s = 0; s < P; ++s) {
@@ -512,8 +542,7 @@ __global__ void __launch_bounds__(AA_DEC2_WARPS * 32, AaDec2Occ<T, D, ROWS>::MIN
             aa_dec2_convert<T, NV, EPL>(kr[s], kf);
             aa_dec2_convert<T, NV, EPL>(vr[s], vf);
             fetch(jl + (t + s + P) * STEP, kr[s], vr[s]);  // refill before the arithmetic
-            const int j = jl + (t + s) * STEP;
-            consume(j, j < j1, kf, vf);
+            consume(jl + (t + s) * STEP, kf, vf);
         }
     }
 
