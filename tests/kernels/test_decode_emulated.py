@@ -222,17 +222,22 @@ def run_case(library, case: str, variant: str = "v1") -> None:
         assert splits >= 3, splits
 
 
+@pytest.mark.parametrize("one_wave", [False, True])
 @pytest.mark.parametrize("blocks", [2, 3, 4])
-def test_split_counts(blocks):
-    """Enough splits to fill the GPU, none under MIN_KEYS_PER_SPLIT keys, whole steps."""
-    for units, span in ((1, 10), (8, 4096), (8, 131072), (64, 300), (2000, 50000)):
-        splits, per = decode.num_splits(units, span, 132, 8, blocks_per_sm=blocks)
+def test_split_counts(blocks, one_wave):
+    """Enough splits to fill the GPU, none under MIN_KEYS_PER_SPLIT keys, whole steps;
+    one_wave (v2): never more blocks than the SMs hold at once (unless one split each)."""
+    for units, span in ((1, 10), (8, 4096), (8, 131072), (64, 300), (2000, 50000), (24, 9999)):
+        splits, per = decode.num_splits(units, span, 132, 8, blocks_per_sm=blocks,
+                                        one_wave=one_wave)  # fmt: skip
         assert per % 8 == 0 and splits * per >= span > (splits - 1) * per
         assert splits == 1 or per >= decode.MIN_KEYS_PER_SPLIT
         assert units * splits <= blocks * 132 + units or splits == 1
-    if blocks > 2:  # the long cache of the benchmark reaches the target
-        splits, _ = decode.num_splits(8, 131072, 132, 8, blocks_per_sm=blocks)
-        assert 8 * splits >= blocks * 132
+        if one_wave:
+            assert units * splits <= blocks * 132 or splits == 1
+    # the long cache of the benchmark (8 KV heads): within a block per SM of the target
+    splits, _ = decode.num_splits(8, 131072, 132, 8, blocks_per_sm=blocks, one_wave=one_wave)
+    assert blocks * 132 - 8 < 8 * splits <= blocks * 132 + 8
 
 
 def test_plans_and_declines():

@@ -224,22 +224,26 @@ def num_splits(
     keys_per_step: int,
     min_keys_per_split: int = MIN_KEYS_PER_SPLIT,
     blocks_per_sm: int = 2,
+    one_wave: bool = False,
 ) -> tuple[int, int]:
     """``(splits, keys_per_split)`` for ``units`` (batch x KV heads x row chunks) blocks of
     work over at most ``key_span`` keys each: enough splits for about ``blocks_per_sm``
     blocks per SM, none shorter than ``min_keys_per_split`` keys, each a multiple of the
-    block's step.
+    block's step. ``one_wave``: at most ``blocks_per_sm * sm_count`` blocks in all (when
+    the units allow), for a kernel that fills the SMs at exactly that many blocks, where one
+    block more would run as a second wave on its own.
 
     Examples:
         >>> num_splits(8, 131072, 132, 8)   # B = 1, 8 KV heads, a 128k cache
         (33, 3976)
         >>> num_splits(512, 4096, 132, 8)   # a large batch needs no split
         (1, 4096)
-        >>> num_splits(8, 131072, 132, 8, blocks_per_sm=3)   # v2, float16 D = 128, 4 rows
-        (50, 2624)
+        >>> num_splits(8, 131072, 132, 8, blocks_per_sm=3, one_wave=True)   # v2, fp16, 4 rows
+        (49, 2680)
     """
     span = max(1, key_span)
-    want = -(-blocks_per_sm * sm_count // max(1, units))
+    slots = blocks_per_sm * sm_count
+    want = max(1, slots // max(1, units)) if one_wave else -(-slots // max(1, units))
     splits = max(1, min(want, span // max(1, min_keys_per_split)))
     per = -(-span // splits)
     per = -(-per // keys_per_step) * keys_per_step
@@ -303,7 +307,7 @@ def run_decode(
     chunks = -(-group * rows // plan.rows)
     splits, per_split = num_splits(
         batch * kv_heads * chunks, keys, sm_count, plan.keys_per_step, min_keys_per_split,
-        plan.blocks_per_sm,
+        plan.blocks_per_sm, plan.variant == "v2",
     )  # fmt: skip
     total_rows = batch * heads * rows
     if plan.variant == "v1":
