@@ -517,8 +517,11 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         if args.out:
             with open(args.out, "a", encoding="utf-8") as f:
-                dec = os.environ.get("ARRAYATTN_FUSED_DECODE")
-                env = f" ARRAYATTN_FUSED_DECODE={dec}" if dec else ""
+                env = "".join(
+                    f" {k}={os.environ[k]}"
+                    for k in ("ARRAYATTN_FUSED_DECODE", "ARRAYATTN_DECODE_VARIANT")
+                    if os.environ.get(k)
+                )
                 f.write(f"\n{device_name()} {_commit()}{env} {' '.join(argv or sys.argv[1:])}\n\n")
                 f.write(text + "\n")
         return 0

@@ -4,7 +4,8 @@ Run as a script in a process with ``libtsan`` preloaded (a TSan-instrumented lib
 cannot be loaded into an uninstrumented Python otherwise):
 ``python _decode_tsan_run.py LIBRARY CASE``. It runs ``CASE`` of
 ``test_decode_emulated.py`` on every kernel variant (``decode.VARIANTS``) and exits 1 when
-a result differs from the float64 reference. TSan writes any race it sees to stderr; the calling test reads it there.
+a result differs from the float64 reference. TSan writes any race it sees to stderr; the
+calling test reads it there.
 """
 
 from __future__ import annotations

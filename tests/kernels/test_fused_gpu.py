@@ -366,9 +366,12 @@ def test_decode_shapes_run_the_decode_kernels(monkeypatch, dtype, case, variant)
     monkeypatch.setattr(decode, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     launched = []
     real_launch = decode._cupy_launch
-    monkeypatch.setattr(
-        decode, "_cupy_launch", lambda name, *a, **kw: launched.append(name) or real_launch(name, *a, **kw)
-    )  # fmt: skip
+
+    def spy_launch(name, *a, **kw):
+        launched.append(name)
+        return real_launch(name, *a, **kw)
+
+    monkeypatch.setattr(decode, "_cupy_launch", spy_launch)
     B, Hq, Hkv, L, S, E, opts = DECODE_CASES[case]
     _run_case(dtype, B, Hq, Hkv, L, S, E, seed_data=S, **dict(opts))
     assert calls, "the decode kernels did not run"
