@@ -51,6 +51,13 @@ CASES = {
                                     bshd=True, sinks=True),
     "f16_paged_ev_gt_e": dict(kind="float16", B=2, Hq=4, Hkv=2, L=1, S=90, E=64, Ev=128,
                               page=7, kv_lens=(90, 64)),
+    # float64 at D = 128 and 256: two and four 16-byte vectors per lane and row (v2's ring
+    # of 2 and of 1 key step)
+    "f64_d128_window_softcap_lengths": dict(
+        kind="float64", B=2, Hq=4, Hkv=2, L=1, S=300, E=128, kv_lens=(300, 150),
+        causal=True, align="bottom_right", window=(100, -1), softcap=2.0),
+    "f64_d256_alibi_e_ne_ev": dict(kind="float64", B=1, Hq=2, Hkv=1, L=2, S=160, E=256,
+                                   Ev=136, causal=True, align="bottom_right", alibi=True),
 }  # fmt: skip
 
 

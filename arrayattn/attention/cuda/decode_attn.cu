@@ -354,9 +354,15 @@ template <typename T, int D, int ROWS> struct AaDec2Occ {
 AA_DEC_DEV uint4 aa_dec2_ldg(const void* p) {
 #ifndef AA_HOST_EMULATION
     uint4 r;
+#if __CUDA_ARCH__ >= 800  // the L2 prefetch-size qualifier needs sm_80
     asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
         : "l"(p));
+#else
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+#endif
     return r;
 #else
     return *reinterpret_cast<const uint4*>(p);
