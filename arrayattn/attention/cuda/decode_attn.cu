@@ -27,6 +27,9 @@
 // (32, 64, 128, 256) and E, Ev any multiples of the vector width up to it. Base pointers
 // and strides keep every 16-byte vector aligned (the host checks).
 //
+// Variant v2 (aa_decode_split_v2 / aa_decode_merge_v2, after v1 below; chosen by
+// ARRAYATTN_DECODE_VARIANT in decode.py) computes the same with more loads in flight.
+//
 // The file also compiles as host C++ under tests/kernels/backward_emulator.h
 // (AA_HOST_EMULATION), so the CPU tests run these very kernels.
 
@@ -299,7 +302,8 @@ __global__ void __launch_bounds__(AA_DEC_WARPS * 32, 4) aa_decode_merge(
 
 // ---------------------------------------------------------------------------------------------
 // Variant v2 (ARRAYATTN_DECODE_VARIANT=v2, decode.py): the same split / merge contract and
-// the same per-key arithmetic, built to keep far more bytes of K and V in flight.
+// the same online softmax (another rounding: see consume), built to keep far more bytes of
+// K and V in flight and to issue fewer instructions per key.
 //
 // v1 issues two key steps (four 16-byte loads per lane), waits for them, consumes them and
 // only then issues the next two: a warp's loads drain to zero every iteration, and with
