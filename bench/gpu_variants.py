@@ -82,10 +82,11 @@ def _decode_variants() -> list[Variant]:
     for kind in ("float16", "bfloat16", "float32", "float64"):
         for d in decode.HEAD_DIMS:
             for rows in (1, 2, 4, 8):
-                plan = decode.decode_plan(kind, d, d, rows)
-                assert plan is not None
-                launch.setdefault(plan.split, (plan.threads, plan.smem))
-                launch.setdefault(plan.merge, (plan.threads, 0))
+                for variant in decode.VARIANTS:
+                    plan = decode.decode_plan(kind, d, d, rows, variant=variant)
+                    assert plan is not None
+                    launch.setdefault(plan.split, (plan.threads, plan.smem))
+                    launch.setdefault(plan.merge, (plan.threads, plan.merge_smem))
     return [
         Variant(source, name, *launch[name])
         for source, names in decode.COMPILE_VARIANTS.items()

@@ -3,8 +3,9 @@
 Run as a script in a process with ``libtsan`` preloaded (a TSan-instrumented library
 cannot be loaded into an uninstrumented Python otherwise):
 ``python _decode_tsan_run.py LIBRARY CASE``. It runs ``CASE`` of
-``test_decode_emulated.py`` and exits 1 when the result differs from the float64
-reference. TSan writes any race it sees to stderr; the calling test reads it there.
+``test_decode_emulated.py`` on every kernel variant (``decode.VARIANTS``) and exits 1 when
+a result differs from the float64 reference. TSan writes any race it sees to stderr; the
+calling test reads it there.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import test_decode_emulated as dec  # noqa: E402
 
 
 def main() -> int:
-    try:
-        dec.run_case(emu.load(Path(sys.argv[1])), sys.argv[2])
-    except AssertionError as exc:
-        print(f"wrong result: {exc}")
-        return 1
+    lib = emu.load(Path(sys.argv[1]))
+    for variant in dec.decode.VARIANTS:
+        try:
+            dec.run_case(lib, sys.argv[2], variant)
+        except AssertionError as exc:
+            print(f"wrong result ({variant}): {exc}")
+            return 1
     return 0
 
 

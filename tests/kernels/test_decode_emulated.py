@@ -8,7 +8,8 @@ E != Ev, contiguous and paged caches (shuffled pages, page sizes that do not div
 lengths), GQA up to MQA with several row chunks, ragged q/kv lengths with empty
 sequences and padding rows, causal in both alignments, two-sided windows, softcap, ALiBi,
 sinks, strided and batch-broadcast operands, and enough splits that some are empty. Every
-output element starts as NaN, so an unwritten one fails.
+output element starts as NaN, so an unwritten one fails. Each case runs on both kernel
+variants (``decode.VARIANTS``: ``v1`` and ``v2``, ``ARRAYATTN_DECODE_VARIANT``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ CASES = {
                                     bshd=True, sinks=True),
     "f16_paged_ev_gt_e": dict(kind="float16", B=2, Hq=4, Hkv=2, L=1, S=90, E=64, Ev=128,
                               page=7, kv_lens=(90, 64)),
+    # float64 at D = 128 and 256: two and four 16-byte vectors per lane and row (v2's ring
+    # of 2 and of 1 key step)
+    "f64_d128_window_softcap_lengths": dict(
+        kind="float64", B=2, Hq=4, Hkv=2, L=1, S=300, E=128, kv_lens=(300, 150),
+        causal=True, align="bottom_right", window=(100, -1), softcap=2.0),
+    "f64_d256_alibi_e_ne_ev": dict(kind="float64", B=1, Hq=2, Hkv=1, L=2, S=160, E=256,
+                                   Ev=136, causal=True, align="bottom_right", alibi=True),
 }  # fmt: skip
 
 
@@ -115,23 +123,33 @@ def reference(q, k, v, *, q_lens, kv_lens, diag, left, right, scale, softcap, sl
     return out, lse
 
 
+def _plan(case: str, variant: str) -> decode.DecodePlan:
+    c = CASES[case]
+    rows = c["Hq"] // c["Hkv"] * c["L"]
+    plan = decode.decode_plan(c["kind"], c["E"], c.get("Ev", c["E"]), rows, variant=variant)
+    assert plan is not None and plan.variant == variant
+    return plan
+
+
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
     names = set()
-    for c in CASES.values():
-        rows = c["Hq"] // c["Hkv"] * c["L"]
-        plan = decode.decode_plan(c["kind"], c["E"], c.get("Ev", c["E"]), rows)
-        names |= {plan.split, plan.merge}
+    for case in CASES:
+        for variant in decode.VARIANTS:
+            plan = _plan(case, variant)
+            names |= {plan.split, plan.merge}
     return emu.build(sorted(names), tmp_path_factory.mktemp("decode"), kernel_file=decode.SOURCE)
 
 
+@pytest.mark.parametrize("variant", decode.VARIANTS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_decode_kernels_match_float64(library, case):
-    run_case(library, case)
+def test_decode_kernels_match_float64(library, case, variant):
+    run_case(library, case, variant)
 
 
-def run_case(library, case: str) -> None:
-    """Run ``CASES[case]`` on the emulator ``library`` and check it against float64."""
+def run_case(library, case: str, variant: str = "v1") -> None:
+    """Run ``CASES[case]`` with kernel ``variant`` on the emulator ``library`` and check it
+    against float64."""
     c = CASES[case]
     kind, B, Hq, Hkv, L, S, E = (c[n] for n in ("kind", "B", "Hq", "Hkv", "L", "S", "E"))
     Ev = c.get("Ev", E)
@@ -179,7 +197,7 @@ def run_case(library, case: str) -> None:
     slopes = rng.uniform(0.05, 0.5, (B, Hq)) if c.get("alibi") else None
     sinks = rng.standard_normal((B, Hq)) if c.get("sinks") else None
 
-    plan = decode.decode_plan(kind, E, Ev, Hq // Hkv * L)
+    plan = _plan(case, variant)
     launcher = emu.Launcher(library)
     out, lse = decode.run_decode(
         emu.PoisonXp, launcher, plan,
@@ -192,6 +210,7 @@ def run_case(library, case: str) -> None:
         # many short splits (some empty for the short sequences), but one case as on a GPU
         min_keys_per_split=decode.MIN_KEYS_PER_SPLIT if c.get("bshd") else 24,
     )  # fmt: skip
+    assert [name for name, *_ in launcher.launches] == [plan.split, plan.merge]
     splits = launcher.launches[0][1][0]
     want_out, want_lse = reference(
         q64, np.broadcast_to(k64, (B, Hkv, S, E)), np.broadcast_to(v64, (B, Hkv, S, Ev)),
@@ -210,13 +229,22 @@ def run_case(library, case: str) -> None:
         assert splits >= 3, splits
 
 
-def test_split_counts():
-    """Enough splits to fill the GPU, none under MIN_KEYS_PER_SPLIT keys, whole steps."""
-    for units, span in ((1, 10), (8, 4096), (8, 131072), (64, 300), (2000, 50000)):
-        splits, per = decode.num_splits(units, span, 132, 8)
+@pytest.mark.parametrize("one_wave", [False, True])
+@pytest.mark.parametrize("blocks", [2, 3, 4])
+def test_split_counts(blocks, one_wave):
+    """Enough splits to fill the GPU, none under MIN_KEYS_PER_SPLIT keys, whole steps;
+    one_wave (v2): never more blocks than the SMs hold at once (unless one split each)."""
+    for units, span in ((1, 10), (8, 4096), (8, 131072), (64, 300), (2000, 50000), (24, 9999)):
+        splits, per = decode.num_splits(units, span, 132, 8, blocks_per_sm=blocks,
+                                        one_wave=one_wave)  # fmt: skip
         assert per % 8 == 0 and splits * per >= span > (splits - 1) * per
         assert splits == 1 or per >= decode.MIN_KEYS_PER_SPLIT
-        assert units * splits <= 2 * 132 + units or splits == 1
+        assert units * splits <= blocks * 132 + units or splits == 1
+        if one_wave:
+            assert units * splits <= blocks * 132 or splits == 1
+    # the long cache of the benchmark (8 KV heads): within a block per SM of the target
+    splits, _ = decode.num_splits(8, 131072, 132, 8, blocks_per_sm=blocks, one_wave=one_wave)
+    assert blocks * 132 - 8 < 8 * splits <= blocks * 132 + 8
 
 
 def test_plans_and_declines():
@@ -227,23 +255,56 @@ def test_plans_and_declines():
         for d in decode.HEAD_DIMS:
             p = decode.decode_plan(kind, d, d)
             assert p.smem <= 48 * 1024  # no opt-in needed
+            p2 = decode.decode_plan(kind, d, d, 8, variant="v2")
+            assert p2.smem <= 48 * 1024 and p2.merge_smem <= 48 * 1024
     names = decode.COMPILE_VARIANTS[decode.SOURCE]
-    assert len(names) == len(set(names)) == 75  # rows 1/2/4/8 (float64 up to 4, 2 at 256)
-    assert decode.decode_plan("float16", 64, 64, 3).rows == 4
-    assert decode.decode_plan("float64", 64, 64, 32).rows == 4
-    assert decode.decode_plan("float64", 256, 256, 32).rows == 2
+    v1 = [n for n in names if "_v2<" not in n]
+    assert len(v1) == len(set(v1)) == 75  # rows 1/2/4/8 (float64 up to 4, 2 at 256)
+    # v2: 16-bit kinds at every D (16 splits + 4 merges each), float32/64 at D = 128 only
+    assert len(names) == len(set(names)) == 75 + 2 * 20 + (4 + 1) + (3 + 1)
+    assert set(decode.HOT_VARIANTS) <= set(names)
+    for variant in decode.VARIANTS:
+        assert decode.decode_plan("float16", 64, 64, 3, variant=variant).rows == 4
+        assert decode.decode_plan("float64", 64, 64, 32, variant=variant).rows == 4
+        assert decode.decode_plan("float64", 256, 256, 32, variant=variant).rows == 2
+
+
+def test_variant_switch(monkeypatch):
+    """ARRAYATTN_DECODE_VARIANT picks the kernels; unset is v1 (today's), anything else
+    but v1/v2 is a clear error."""
+    monkeypatch.delenv("ARRAYATTN_DECODE_VARIANT", raising=False)
+    v1 = decode.decode_plan("float16", 128, 128, 4)
+    assert decode.decode_variant() == "v1" and v1.variant == "v1"
+    assert (v1.split, v1.merge) == ("aa_decode_split<AaF16, 128, 4>", "aa_decode_merge<AaF16, 128>")
+    assert (v1.blocks_per_sm, v1.merge_rows, v1.merge_smem) == (2, decode.WARPS, 0)
+    monkeypatch.setenv("ARRAYATTN_DECODE_VARIANT", "v2")
+    v2 = decode.decode_plan("float16", 128, 128, 4)
+    assert v2.variant == "v2" and v2.split == "aa_decode_split_v2<AaF16, 128, 4>"
+    assert v2.merge == "aa_decode_merge_v2<AaF16, 128>" and v2.merge_rows == 1
+    assert (v2.threads, v2.smem, v2.keys_per_step) == (v1.threads, v1.smem, v1.keys_per_step)
+    assert v2.blocks_per_sm == 3  # AaDec2Occ: 4 rows x 8 dims of float state per lane
+    assert decode.decode_plan("float16", 128, 128, 4, variant="v1") == v1
+    monkeypatch.setenv("ARRAYATTN_DECODE_VARIANT", "v3")
+    with pytest.raises(ValueError, match="ARRAYATTN_DECODE_VARIANT"):
+        decode.decode_plan("float16", 128, 128, 4)
+    with pytest.raises(ValueError, match="variant"):
+        decode.decode_plan("float16", 128, 128, 4, variant="v9")
 
 
 # -- data races: the emulator built with ThreadSanitizer, run in a child process that
-# preloads libtsan (as test_backward_emulated.py does); the kernels' one barrier orders the
-# warps' shared-memory partials before the block merges them.
+# preloads libtsan (as test_backward_emulated.py does); the kernels' barriers order the
+# warps' shared-memory partials before the block merges them (v1: the split kernel's one;
+# v2: its split kernel's and its merge kernel's). The child runs the case on every variant,
+# so removing any barrier of the file must show as a race.
 RACE_CASE = "f16_paged_window_softcap_sinks_alibi"
 
 
 def _race_names() -> list[str]:
-    c = CASES[RACE_CASE]
-    plan = decode.decode_plan(c["kind"], c["E"], c.get("Ev", c["E"]), c["Hq"] // c["Hkv"] * c["L"])
-    return [plan.split, plan.merge]
+    names = []
+    for variant in decode.VARIANTS:
+        plan = _plan(RACE_CASE, variant)
+        names += [plan.split, plan.merge]
+    return names
 
 
 def _run_under_tsan(lib, halt: bool = False):
@@ -324,9 +385,12 @@ GLUE = {
 }  # fmt: skip
 
 
+@pytest.mark.parametrize("variant", decode.VARIANTS)
 @pytest.mark.parametrize("case", list(GLUE))
-def test_fused_forward_runs_decode_kernels(monkeypatch, tmp_path_factory, case):
+def test_fused_forward_runs_decode_kernels(monkeypatch, tmp_path_factory, case, variant):
     import sys
+
+    monkeypatch.setenv("ARRAYATTN_DECODE_VARIANT", variant)  # read by decode.forward's plan
 
     from arrayattn.attention import composed as _composed
     from arrayattn.attention.cuda import fused
@@ -352,6 +416,7 @@ def test_fused_forward_runs_decode_kernels(monkeypatch, tmp_path_factory, case):
                      opts.pop("softcap", None), None, **extra)  # fmt: skip
     assert not opts and decode.declines(spec, False) is None
     plan = decode.decode_plan(kind, spec.E, spec.Ev, spec.G * spec.L)
+    assert plan.variant == variant
     lib = emu.build([plan.split, plan.merge], tmp_path_factory.mktemp("glue"),
                     kernel_file=decode.SOURCE)  # fmt: skip
     launcher = emu.Launcher(lib, strided=True)

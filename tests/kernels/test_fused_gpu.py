@@ -354,20 +354,33 @@ DECODE_CASES = {
 }  # fmt: skip
 
 
+@pytest.mark.parametrize("variant", ["v1", "v2"])  # ARRAYATTN_DECODE_VARIANT
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(DECODE_CASES))
-def test_decode_shapes_run_the_decode_kernels(monkeypatch, dtype, case) -> None:
+def test_decode_shapes_run_the_decode_kernels(monkeypatch, dtype, case, variant) -> None:
     from arrayattn.attention.cuda import decode
 
+    monkeypatch.setenv("ARRAYATTN_DECODE_VARIANT", variant)
     calls = []
     real = decode.forward
     monkeypatch.setattr(decode, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    launched = []
+    real_launch = decode._cupy_launch
+
+    def spy_launch(name, *a, **kw):
+        launched.append(name)
+        return real_launch(name, *a, **kw)
+
+    monkeypatch.setattr(decode, "_cupy_launch", spy_launch)
     B, Hq, Hkv, L, S, E, opts = DECODE_CASES[case]
     _run_case(dtype, B, Hq, Hkv, L, S, E, seed_data=S, **dict(opts))
     assert calls, "the decode kernels did not run"
+    assert launched and all(("_v2<" in n) == (variant == "v2") for n in launched), launched
 
 
-def test_decode_and_prefill_kernels_agree(monkeypatch) -> None:
+@pytest.mark.parametrize("variant", ["v1", "v2"])  # ARRAYATTN_DECODE_VARIANT
+def test_decode_and_prefill_kernels_agree(monkeypatch, variant) -> None:
+    monkeypatch.setenv("ARRAYATTN_DECODE_VARIANT", variant)
     rs = cp.random.RandomState(4)
     q = rs.standard_normal((2, 32, 1, 128), dtype=cp.float32).astype(cp.float16)
     k = rs.standard_normal((2, 8, 5000, 128), dtype=cp.float32).astype(cp.float16)

@@ -33,8 +33,9 @@ def library(tmp_path_factory):
         pytest.skip("needs g++ (C++20) and the CUDA headers for the host emulator")
     names = set()
     for kind in ("float16", "float32", "float64"):
-        plan = decode.decode_plan(kind, D, DV, HQ // HKV * 3)
-        names |= {plan.split, plan.merge}
+        for variant in decode.VARIANTS:
+            plan = decode.decode_plan(kind, D, DV, HQ // HKV * 3, variant=variant)
+            names |= {plan.split, plan.merge}
     return emu.build(sorted(names), tmp_path_factory.mktemp("paged"), kernel_file=decode.SOURCE)
 
 
@@ -50,9 +51,11 @@ def _filled_cache(rng, dt):
     return cache
 
 
+@pytest.mark.parametrize("variant", decode.VARIANTS)  # ARRAYATTN_DECODE_VARIANT
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_kernels_equal_the_paged_loop(library, dtype, case):
+def test_kernels_equal_the_paged_loop(library, dtype, case, variant, monkeypatch):
+    monkeypatch.setenv("ARRAYATTN_DECODE_VARIANT", variant)  # read by attend_with_kernel's plan
     opts = CASES[case]
     rng = np.random.default_rng(case)
     dt = np.dtype(dtype)
@@ -73,7 +76,9 @@ def test_kernels_equal_the_paged_loop(library, dtype, case):
     )
     assert kernel_supports(dtype, dtype, D, DV, None)
     want = cache.attend(q, nq, **kw)  # NumPy: the array-API paged loop
-    got = attend_with_kernel(cache, q, nq, launch=emu.Launcher(library), alloc=emu.PoisonXp, **kw)
+    launcher = emu.Launcher(library)
+    got = attend_with_kernel(cache, q, nq, launch=launcher, alloc=emu.PoisonXp, **kw)
+    assert all(("_v2<" in name) == (variant == "v2") for name, *_ in launcher.launches)
     assert got.dtype == dt and got.shape == (B, HQ, 3, DV)
     tol = {"float16": dict(rtol=4e-3, atol=4e-3), "float32": dict(rtol=1e-5, atol=1e-6),
            "float64": dict(rtol=1e-12, atol=1e-13)}[dtype]  # fmt: skip
@@ -88,7 +93,9 @@ def test_kernel_supports():
     assert not kernel_supports("int8", "int8", D, DV, None)
 
 
-def test_cupy_kernel_path_equals_the_generic_loop():
+@pytest.mark.parametrize("variant", decode.VARIANTS)  # ARRAYATTN_DECODE_VARIANT
+def test_cupy_kernel_path_equals_the_generic_loop(variant, monkeypatch):
+    monkeypatch.setenv("ARRAYATTN_DECODE_VARIANT", variant)
     cupy = pytest.importorskip("cupy")
     try:
         if cupy.cuda.runtime.getDeviceCount() < 1:

@@ -17,6 +17,12 @@ both alignments, windows, lengths, GQA, softcap, sinks, ALiBi, the LSE), and
 (``arrayattn/nn/_paged_kernel.py``). ``ARRAYATTN_FUSED_DECODE=0`` sends fused calls to the
 prefill kernel instead (A/B timing).
 
+Two variants of the kernels, picked by ``ARRAYATTN_DECODE_VARIANT`` when a plan is made
+(:func:`decode_plan`): ``v1`` (the default) and ``v2``, which keeps a ring of key steps in
+flight per warp, aims at 2-4 blocks per SM instead of 2 and merges the splits with one
+block per query row (the comments of ``aa_decode_split_v2`` in ``decode_attn.cu`` say
+why). Both compute the same thing; ``v2`` becomes the default only once a GPU has timed it.
+
 :func:`run_decode` builds both launches for any ``launch`` function: CuPy's here, the host
 emulator's in the CPU tests (``tests/kernels/test_decode_emulated.py``), so the tests run
 the very arguments and launch shapes the GPU gets.
@@ -46,8 +52,10 @@ __all__ = [
     "SOURCE",
     "HEAD_DIMS",
     "MAX_QUERY_ROWS",
+    "VARIANTS",
     "DecodePlan",
     "decode_plan",
+    "decode_variant",
     "num_splits",
     "run_decode",
     "declines",
@@ -63,8 +71,10 @@ MAX_QUERY_ROWS = 16
 """The fused path uses the decode kernels for calls of at most this many query rows."""
 MIN_KEYS = 128
 """...over at least this many keys (below it the prefill kernel's one pass is as good)."""
-WARPS = 4  # AA_DEC_WARPS
+WARPS = 4  # AA_DEC_WARPS (and AA_DEC2_WARPS)
 MIN_KEYS_PER_SPLIT = 256
+VARIANTS = ("v1", "v2")
+"""The kernel variants ``ARRAYATTN_DECODE_VARIANT`` chooses from (default ``v1``)."""
 _KIND_TYPES = {"float16": "AaF16", "bfloat16": "AaBF16", "float32": "float", "float64": "double"}
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 NULL = np.uint64(0)
@@ -84,12 +94,30 @@ class DecodePlan:
     threads: int
     smem: int  # dynamic shared memory of the split kernel (bytes)
     keys_per_step: int  # keys a block's warps take per step (WARPS * KPW)
+    variant: str = "v1"
+    blocks_per_sm: int = 2  # what num_splits aims at (v2: the kernel's launch bounds)
+    merge_rows: int = WARPS  # query rows per merge block (v1: a warp each; v2: a block)
+    merge_smem: int = 0  # dynamic shared memory of the merge kernel (bytes)
 
 
-def decode_plan(kind: str, e: int, ev: int, group_rows: int = 8) -> DecodePlan | None:
+def decode_variant() -> str:
+    """The kernel variant ``ARRAYATTN_DECODE_VARIANT`` asks for: ``"v1"`` (unset or empty)
+    or ``"v2"``; anything else is a ``ValueError``."""
+    env = os.environ.get("ARRAYATTN_DECODE_VARIANT", "").strip()
+    if not env:
+        return "v1"
+    if env not in VARIANTS:
+        raise ValueError(f"ARRAYATTN_DECODE_VARIANT must be one of {VARIANTS}, got {env!r}")
+    return env
+
+
+def decode_plan(
+    kind: str, e: int, ev: int, group_rows: int = 8, variant: str | None = None
+) -> DecodePlan | None:
     """The decode kernels for dtype ``kind``, head dims ``e``, ``ev`` and ``group_rows``
     query rows per KV head (``Hq // Hkv * L``), or ``None`` when no variant holds them
-    (head dims above 256, or not multiples of 8).
+    (head dims above 256, or not multiples of 8). ``variant`` (``"v1"``/``"v2"``) defaults
+    to :func:`decode_variant`'s, read from the environment at each call.
 
     Examples:
         >>> p = decode_plan("float16", 128, 128, group_rows=4)   # GQA 32/8, one new token
@@ -98,6 +126,10 @@ def decode_plan(kind: str, e: int, ev: int, group_rows: int = 8) -> DecodePlan |
     """
     if kind not in _KIND_TYPES:
         raise ValueError(f"kind must be one of {tuple(_KIND_TYPES)}, got {kind!r}")
+    if variant is None:
+        variant = decode_variant()
+    elif variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     need = max(e, ev, 1)
     if e % 8 or ev % 8:
         return None
@@ -115,6 +147,31 @@ def decode_plan(kind: str, e: int, ev: int, group_rows: int = 8) -> DecodePlan |
     rows = next(r for r in (1, 2, 4, 8) if r >= min(group_rows, cap))
     vec = 16 // size
     lanes = min(32, d // vec)
+    if variant == "v2":
+        # AaDec2Occ (decode_attn.cu): the blocks per SM the kernel's register cap allows
+        # without spills, by the 32-bit registers of a lane's accumulator rows.
+        epl = d // lanes
+        state = rows * epl * acc // 4
+        if size == 2:
+            blocks = 4 if state <= 16 else (3 if state <= 32 else 2)
+        elif size == 4:
+            blocks = 4 if state <= 8 else (3 if state <= 32 and epl <= 4 else 2)
+        else:
+            blocks = 4 if state <= 4 else 2
+        return DecodePlan(
+            kind=kind,
+            head_dim=d,
+            rows=rows,
+            split=f"aa_decode_split_v2<{t}, {d}, {rows}>",
+            merge=f"aa_decode_merge_v2<{t}, {d}>",
+            threads=32 * WARPS,
+            smem=WARPS * rows * (d + 2) * acc,
+            keys_per_step=WARPS * (32 // lanes),
+            variant="v2",
+            blocks_per_sm=blocks,
+            merge_rows=1,
+            merge_smem=WARPS * d * acc,
+        )
     return DecodePlan(
         kind=kind,
         head_dim=d,
@@ -132,17 +189,27 @@ def _all_variants() -> list[str]:
     for kind in _KIND_TYPES:
         for d in HEAD_DIMS:
             for rows in (1, 2, 4, 8):
-                plan = decode_plan(kind, d, d, rows)
+                plan = decode_plan(kind, d, d, rows, variant="v1")
+                assert plan is not None
+                names += [n for n in (plan.split, plan.merge) if n not in names]
+    # v2: every 16-bit instantiation, float32/float64 at D = 128 only (CI time; the others
+    # compile on first use through NVRTC like any instantiation).
+    for kind in _KIND_TYPES:
+        for d in HEAD_DIMS if kind in ("float16", "bfloat16") else (128,):
+            for rows in (1, 2, 4, 8):
+                plan = decode_plan(kind, d, d, rows, variant="v2")
                 assert plan is not None
                 names += [n for n in (plan.split, plan.merge) if n not in names]
     return names
 
 
 COMPILE_VARIANTS: dict[str, list[str]] = {SOURCE: _all_variants()}
-"""Every decode instantiation, for ``.ci/compile_kernels.py`` and ``bench/gpu_variants.py``."""
+"""The decode instantiations (every v1 one, v2's as above), for ``.ci/compile_kernels.py``
+and ``bench/gpu_variants.py``."""
 
 HOT_VARIANTS: list[str] = [
-    decode_plan(kind, d, d, rows).split  # type: ignore[union-attr]
+    decode_plan(kind, d, d, rows, variant=variant).split  # type: ignore[union-attr]
+    for variant in VARIANTS
     for kind in ("float16", "bfloat16")
     for d in (64, 128)
     for rows in (1, 2, 4, 8)
@@ -156,19 +223,27 @@ def num_splits(
     sm_count: int,
     keys_per_step: int,
     min_keys_per_split: int = MIN_KEYS_PER_SPLIT,
+    blocks_per_sm: int = 2,
+    one_wave: bool = False,
 ) -> tuple[int, int]:
     """``(splits, keys_per_split)`` for ``units`` (batch x KV heads x row chunks) blocks of
-    work over at most ``key_span`` keys each: enough splits for about two blocks per SM,
-    none shorter than ``min_keys_per_split`` keys, each a multiple of the block's step.
+    work over at most ``key_span`` keys each: enough splits for about ``blocks_per_sm``
+    blocks per SM, none shorter than ``min_keys_per_split`` keys, each a multiple of the
+    block's step. ``one_wave``: at most ``blocks_per_sm * sm_count`` blocks in all (when
+    the units allow), for a kernel that fills the SMs at exactly that many blocks, where one
+    block more would run as a second wave on its own.
 
     Examples:
         >>> num_splits(8, 131072, 132, 8)   # B = 1, 8 KV heads, a 128k cache
         (33, 3976)
         >>> num_splits(512, 4096, 132, 8)   # a large batch needs no split
         (1, 4096)
+        >>> num_splits(8, 131072, 132, 8, blocks_per_sm=3, one_wave=True)   # v2, fp16, 4 rows
+        (49, 2680)
     """
     span = max(1, key_span)
-    want = -(-2 * sm_count // max(1, units))
+    slots = blocks_per_sm * sm_count
+    want = max(1, slots // max(1, units)) if one_wave else -(-slots // max(1, units))
     splits = max(1, min(want, span // max(1, min_keys_per_split)))
     per = -(-span // splits)
     per = -(-per // keys_per_step) * keys_per_step
@@ -231,15 +306,23 @@ def run_decode(
     group = heads // kv_heads
     chunks = -(-group * rows // plan.rows)
     splits, per_split = num_splits(
-        batch * kv_heads * chunks, keys, sm_count, plan.keys_per_step, min_keys_per_split
-    )
+        batch * kv_heads * chunks, keys, sm_count, plan.keys_per_step, min_keys_per_split,
+        plan.blocks_per_sm, plan.variant == "v2",
+    )  # fmt: skip
     total_rows = batch * heads * rows
-    part_o = xp.empty((total_rows * splits * plan.head_dim,), dtype=acc)
-    part_lse = xp.empty((total_rows * splits,), dtype=acc)
+    if plan.variant == "v1":
+        part_o = xp.empty((total_rows * splits * plan.head_dim,), dtype=acc)
+        part_lse = xp.empty((total_rows * splits,), dtype=acc)
+        work = [part_o, part_lse]
+    else:  # one allocation for both partial buffers (one pool call fewer per decode)
+        n_o = total_rows * splits * plan.head_dim
+        part = xp.empty((n_o + total_rows * splits,), dtype=acc)
+        part_o, part_lse = part[:n_o], part[n_o:]
+        work = [part]
     out = xp.empty((batch, heads, rows, ev), dtype=out_dtype)
     lse = xp.empty((batch, heads, rows), dtype=acc)
     if poison:
-        for a in (part_o, part_lse, out, lse):
+        for a in (*work, out, lse):
             a.fill(np.nan if np.dtype(a.dtype).kind == "f" else -1)  # -1: a bf16 NaN
     max_pages = 0 if tables is None else int(tables.shape[-1])
     launch(
@@ -262,9 +345,9 @@ def run_decode(
     )  # fmt: skip
     launch(
         plan.merge,
-        (max(1, -(-total_rows // WARPS)), 1, 1),
+        (max(1, -(-total_rows // plan.merge_rows)), 1, 1),
         plan.threads,
-        0,
+        plan.merge_smem,
         (
             part_o, part_lse, i32(splits), i64(total_rows), i32(rows),
             NULL if sinks is None else sinks, i32(ev), out, lse,
