@@ -130,6 +130,11 @@ def decode_plan(
         variant = decode_variant()
     elif variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    return _plan(kind, int(e), int(ev), int(group_rows), variant)
+
+
+@cache  # a pure function of its arguments, asked twice per decode call (host time matters)
+def _plan(kind: str, e: int, ev: int, group_rows: int, variant: str) -> DecodePlan | None:
     need = max(e, ev, 1)
     if e % 8 or ev % 8:
         return None
