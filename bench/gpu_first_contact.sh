@@ -15,7 +15,7 @@
 #                                            # those tests (default: the GPU test files)
 #   STAGES=env,tiny_gpt,decode bash bench/gpu_first_contact.sh second   # any stages
 #   (also cupy_all: every ops/nn test on CuPy; fwd_mt_ab: forward MT=1 vs MT=2 tiles;
-#   ab_fwd, ab_bwd, ab_decode: the v1 and v2 kernel variants timed one after the other;
+#   ab_fwd, ab_bwd, ab_decode(_kernels): the v1 and v2 kernel variants one after the other;
 #   host: where a small call's host time goes)
 #
 # Every stage runs under `timeout` with min(its cap, the time left of BUDGET seconds), so a
@@ -192,6 +192,7 @@ stage ab_bwd 120 ab ARRAYATTN_BWD_VARIANT --dtypes float16 --head-dims 64,128 --
   --backward --reps 15 --out "$out/bench.md"
 stage ab_decode 60 ab ARRAYATTN_DECODE_VARIANT --decode 4096,16384,65536,131072 --reps 30 \
   --out "$out/bench.md"
+stage ab_decode_kernels 40 "$py" bench/gpu_decode_kernels.py --out "$out/bench.md"
 # shellcheck disable=SC2086 # TESTS is a list of test files or ids
 stage tests 150 gpu_tests $TESTS
 # bridges: arrayattn.torch on CUDA tensors (DLPack to CuPy, bfloat16 as int16 storage),
