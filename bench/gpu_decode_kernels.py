@@ -69,7 +69,7 @@ def main() -> int:
             plan = d.decode_plan("float16", D, D, Hq // Hkv, variant=variant)
             assert plan is not None
 
-            def call(i: int, plan=plan):  # noqa: ANN202
+            def call(i: int, plan=plan, sets=sets, S=S):  # noqa: ANN202, N803
                 q, k, v = sets[i % 4]
                 return d.run_decode(
                     cp, d._cupy_launch, plan, q, (Hq * D, D, D), k, (Hkv * S * D, S * D, D),
