@@ -53,7 +53,7 @@ from .operands import (
     operand,
     per_head_operand,
 )
-from .tiles import forward_kernel_name, head_dim_bucket, is_heavy, tc_row_tiles, tile_config
+from .tiles import forward_launch, head_dim_bucket
 
 __all__ = ["FusedAttention", "FUSED", "declines", "auto_declines"]
 
@@ -165,8 +165,12 @@ class FusedAttention:
         dropout = spec.dropout_p > 0.0
         mask_kind = 0 if attn_mask is None else (1 if spec.mask_kind == "bool" else 2)
         tc = kind in ("float16", "bfloat16")
-        mt = tc_row_tiles(d, is_heavy(softcap, dropout, mask_kind)) if tc else None
-        cfg = tile_config(kind, d, mt)
+        # ARRAYATTN_FWD_VARIANT (tiles.forward_variant): v1 unless v2 is asked for and
+        # serves the call (tiles.v2_declines lists what stays on v1).
+        launch = forward_launch(
+            kind, d, softcap, dropout, mask_kind, spec.alibi_slopes is not None, spec.scale
+        )
+        cfg = launch.config
         q, q_sb, q_sh, q_sr = operand(spec, query, d, tc)
         k, k_sb, k_sh, k_sr = operand(spec, key, d, tc)
         v, v_sb, v_sh, v_sr = operand(spec, value, d, tc)
@@ -189,8 +193,7 @@ class FusedAttention:
         st = spec.structure
         diag = kernel_diagonal(spec)
         assert diag is not None  # declines() refused the call otherwise
-        name = forward_kernel_name(kind, d, softcap, dropout, mask_kind, mt)
-        kernel = _loader.get_kernel("attn_fwd.cu", name, cfg.smem_bytes)
+        kernel = _loader.get_kernel("attn_fwd.cu", launch.name, cfg.smem_bytes)
 
         i64 = np.int64
         cap = 1.0 if spec.softcap is None else spec.softcap
