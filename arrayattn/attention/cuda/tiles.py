@@ -33,6 +33,7 @@ __all__ = [
     "forward_launch",
     "tile_config_v2",
     "forward_kernel_name_v2",
+    "row_keys",
     "COMPILE_VARIANTS",
     "HOT_VARIANTS",
 ]
@@ -317,6 +318,24 @@ def forward_launch(
     mt = tc_row_tiles(d, is_heavy(softcap, dropout, mask_kind)) if tc else None
     name = forward_kernel_name(kind, d, softcap, dropout, mask_kind, mt)
     return ForwardLaunch(name, tile_config(kind, d, mt), "v1")
+
+
+def row_keys(
+    i: int, q_len: int, offset: int, left: int, right: int, kv_len: int, j0: int
+) -> tuple[int, int]:
+    """``aa_row_keys`` (v2's masked tiles): ``(base, span)`` such that key ``j0 + k``
+    (``j0 + k >= 0``) is allowed for row ``i`` exactly when ``(base + k) mod 2**32 <=
+    span``, i.e. ``i < q_len and allowed(i, j0 + k, ...)``; unsigned 32-bit arithmetic as
+    in the kernel."""
+    diag = i + offset
+    jlo = max(diag - left, 0) if left >= 0 else 0
+    jhi = kv_len - 1
+    if right >= 0 and diag + right < jhi:
+        jhi = diag + right
+    if i >= q_len or jhi < jlo:
+        jlo = jhi = 2**31 - 1
+    mask = 0xFFFFFFFF
+    return (j0 - jlo) & mask, (jhi - jlo) & mask
 
 
 def _v2_variants() -> list[str]:
