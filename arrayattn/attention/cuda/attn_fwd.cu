@@ -573,6 +573,29 @@ AA_DEV void aa_row_keys(int i, int q_len, int offset, int left, int right, int k
     span = (aa_u32)jhi - (aa_u32)jlo;
 }
 
+// aa_tile_async for v2's K/V tiles with the thread's chunk geometry hoisted: NT is a
+// multiple of D / 8, so thread tid copies column chunk tid % (D / 8) of rows
+// tid / (D / 8) + it * (NT / (D / 8)), and the source pointer advances by a fixed stride
+// (no 64-bit multiply per chunk, which made address arithmetic about a quarter of v1's
+// main loop). Rows >= nvalid are zero-filled from `safe`, as in aa_tile_async.
+template <int R, int D, int DP, int NT>
+AA_DEV void aa_tile_async_rows(aa_u32 sbase, const unsigned short* g, long long rs, int nvalid,
+                               const unsigned short* safe, int tid) {
+    constexpr int CPR = D / 8;
+    static_assert(NT % CPR == 0 && (R * CPR) % NT == 0, "whole rows per pass");
+    constexpr int RSTEP = NT / CPR, ITERS = R * CPR / NT;
+    const int row0 = tid / CPR, kc = tid - row0 * CPR;
+    const unsigned short* p = g + row0 * rs + kc * 8;
+    const long long step = RSTEP * rs;
+    const aa_u32 sdst = sbase + (aa_u32)((row0 * DP + kc * 8) * 2);
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+        const bool valid = row0 + it * RSTEP < nvalid;
+        aa_cp_async16(sdst + (aa_u32)(it * RSTEP * DP * 2), valid ? p : safe, valid);
+        p += step;
+    }
+}
+
 template <int D>
 struct AaTc2Cfg {
     static constexpr int BM = 128;  // query rows per block
@@ -632,8 +655,8 @@ __global__ void __launch_bounds__(AaTc2Cfg<D>::NT, AaTc2Cfg<D>::MIN_BLOCKS)
     aa_tile_async<BM, D, DP, NT>(sQa, qg, q_sr, rows_valid, q, tid);
     if (n_begin < n_end) {
         const int c0 = n_begin * BN;
-        aa_tile_async<BN, D, DP, NT>(sKa, kg + c0 * k_sr, k_sr, sq.kv_len - c0, k, tid);
-        aa_tile_async<BN, D, DP, NT>(sVa, vg + c0 * v_sr, v_sr, sq.kv_len - c0, v, tid);
+        aa_tile_async_rows<BN, D, DP, NT>(sKa, kg + c0 * k_sr, k_sr, sq.kv_len - c0, k, tid);
+        aa_tile_async_rows<BN, D, DP, NT>(sVa, vg + c0 * v_sr, v_sr, sq.kv_len - c0, v, tid);
     }
     aa_cp_commit();
 
@@ -664,9 +687,9 @@ __global__ void __launch_bounds__(AaTc2Cfg<D>::NT, AaTc2Cfg<D>::MIN_BLOCKS)
         __syncthreads();  // ... every thread's; and tile n - 1's stage is no longer read
         if (n + 1 < n_end) {
             const int c1 = (n + 1) * BN;
-            aa_tile_async<BN, D, DP, NT>(sKa + (STAGE ^ stage), kg + c1 * k_sr, k_sr,
+            aa_tile_async_rows<BN, D, DP, NT>(sKa + (STAGE ^ stage), kg + c1 * k_sr, k_sr,
                                          sq.kv_len - c1, k, tid);
-            aa_tile_async<BN, D, DP, NT>(sVa + (STAGE ^ stage), vg + c1 * v_sr, v_sr,
+            aa_tile_async_rows<BN, D, DP, NT>(sVa + (STAGE ^ stage), vg + c1 * v_sr, v_sr,
                                          sq.kv_len - c1, v, tid);
         }
         aa_cp_commit();
