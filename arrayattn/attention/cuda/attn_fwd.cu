@@ -1,12 +1,14 @@
 // arrayattn/attention/cuda/attn_fwd.cu -- FlashAttention-2 forward kernels.
 //
-// Two kernels with one argument list (see AA_FWD_ARGS below):
+// Three kernels with one argument list (see AA_FWD_ARGS below):
 //   aa_fwd_tc<DT, D, MT, SOFTCAP, DROPOUT, MASK>   float16 (DT=0) / bfloat16 (DT=1), tensor
 //       cores, MT row tiles of 16 per warp (AaTcDefaultMT):
 //       mma.sync.m16n8k16 (row.col, f32 accumulators), ldmatrix, cp.async double buffering,
 //       probabilities repacked in registers as the A operand of P @ V. sm_80 or newer.
 //   aa_fwd_simt<T, D, SOFTCAP, DROPOUT, MASK>   float / double on CUDA cores, register tiles,
 //       accumulation (and softmax, and LSE) in T.
+//   aa_fwd_tc2<DT, D, SOFTCAP, MASK, ALIBI>   the tensor-core kernel's variant 2 (128 x 64
+//       tiles, one barrier per key tile; ARRAYATTN_FWD_VARIANT=v2, see its section).
 // D (head dim of Q, K and V) is one of 32, 64, 96, 128, 256; the host pads other sizes.
 // Runtime options (null pointers when absent; contiguous (batch, Hq) in the accumulation
 // type, indexed blockIdx.z * gridDim.y + head): sinks, gpt-oss logits folded into each
@@ -535,9 +537,11 @@ __global__ void __launch_bounds__(AaTcCfg<D, MT>::NT, AaTcCfg<D, MT>::MIN_BLOCKS
 // Tensor-core kernel, variant 2 (float16 / bfloat16): ARRAYATTN_FWD_VARIANT=v2 (tiles.py)
 // ---------------------------------------------------------------------------------------
 // The same algorithm and argument list as aa_fwd_tc, reshaped for issue rate:
-// - 128 x 64 tiles (4 warps x 32 query rows, MT = 2; 64 keys per tile at every D it
-//   serves, 64/96/128): the row-max shuffles, the O rescale and the barrier are paid
-//   every 64 keys instead of every 32 (aa_fwd_tc at D >= 96).
+// - 128 x 64 tiles (4 warps x 32 query rows, MT = 2; 64 keys per tile at D = 64 and
+//   128): the row-max shuffles, the O rescale and the barrier are paid every 64 keys
+//   instead of every 32 (aa_fwd_tc at D >= 96).
+// - K/V copy addresses advance by a fixed stride per thread (aa_tile_async_rows), not a
+//   64-bit multiply per 16-byte chunk.
 // - One barrier per key tile: at the top of tile n each thread waits for all its copies
 //   (K[n] and V[n], issued one whole tile earlier), the barrier publishes them and
 //   retires every read of tile n - 1, and the copies of K[n+1] and V[n+1] go into the
@@ -551,8 +555,9 @@ __global__ void __launch_bounds__(AaTcCfg<D, MT>::NT, AaTcCfg<D, MT>::MIN_BLOCKS
 //   changes no bit and correctness does not depend on the vote.
 // - ALiBi is a template flag (the alibi pointer must be non-null exactly when it is set),
 //   like softcap and the mask kind, so none of their code exists in the plain variant.
-// Dropout is not supported here (register budget at MT = 2 with 64-key tiles): the host
-// runs aa_fwd_tc for dropout, D = 32 and D = 256 (tiles.forward_variant).
+// Dropout is not supported here (register budget at MT = 2 with 64-key tiles); the host
+// runs aa_fwd_tc for dropout, for D other than 64 and 128, and for softcap, dense masks
+// and ALiBi at D = 128, which spill here (tiles.v2_declines).
 // The keys row i may see, [jlo, jhi] (i < q_len and aa_allowed; every key j >= 0), as an
 // unsigned range test: key j0 + k is allowed <=> base + k <= span (unsigned), with
 // base = j0 - jlo and span = jhi - jlo. For 0 <= jlo <= jhi < 2**31 and 0 <= j < 2**31 the

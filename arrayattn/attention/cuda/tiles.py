@@ -201,12 +201,13 @@ FWD_VARIANTS = ("v1", "v2")
 FMA, the O rescale skipped when no row max grew; 16-bit kinds only)."""
 
 V2_HEAD_DIMS = (64, 128)
-"""Head dims ``aa_fwd_tc2`` is instantiated for (D = 32, 96 and 256 stay on v1: at D = 96
-ptxas spills 16-20 bytes at the 255-register cap of two blocks per SM)."""
+"""Head dims ``aa_fwd_tc2`` is instantiated for. D = 32, 96 and 256 stay on v1: at D = 96
+a row is 12 16-byte chunks, which 128 threads do not split into whole rows (v2's K/V copy
+relies on it), and an earlier build spilled there; D = 32 and 256 are not the target."""
 
 V2_FEATURE_HEAD_DIMS = (64,)
 """Head dims where v2 also runs softcap, dense masks and ALiBi (at D = 128 those variants
-spill 36-136 bytes, so v1 runs them)."""
+spill 32-132 bytes at the 255-register cap of two blocks per SM, so v1 runs them)."""
 
 _V2_SOURCE = "attn_fwd.cu"
 
@@ -256,7 +257,7 @@ def v2_declines(
         return "v2 has no dropout (register budget); v1 runs it"
     if (softcap or mask_kind or alibi) and d not in V2_FEATURE_HEAD_DIMS:
         return f"v2 runs softcap, dense masks and ALiBi at D in {V2_FEATURE_HEAD_DIMS} only"
-    if not scale > 0:
+    if not scale >= 1e-30:  # > 0, and scale * log2(e) a normal float32 (NaN fails too)
         return f"v2 needs scale > 0 (row max on raw scores), got {scale}"
     return None
 
