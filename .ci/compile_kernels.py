@@ -15,7 +15,8 @@ check was skipped and exits 0.
 
 The backward and decode kernels join the check through ``COMPILE_VARIANTS: dict[str,
 list[str]]`` (source file -> name expressions) and ``HOT_VARIANTS: list[str]`` of
-``arrayattn/attention/cuda/backward.py`` and ``decode.py``.
+``arrayattn/attention/cuda/backward.py`` and ``decode.py``; so do the forward's v2
+variants (``tiles.py``).
 
 Usage: ``python .ci/compile_kernels.py [--jobs N] [--arch sm_90] [--hot-only]
 [--source attn_fwd.cu ...]``
@@ -192,11 +193,16 @@ def compile_group(
 
 
 def _extra_variants() -> tuple[dict[str, list[str]], set[str]]:
-    """The variants (and hot ones) of the kernel modules beside the forward's: the
-    backward (``backward.py``) and the split-KV decode (``decode.py``)."""
+    """The variants (and hot ones) of the kernel modules beside the forward's v1 list: the
+    backward (``backward.py``), the split-KV decode (``decode.py``) and the forward's v2
+    (``tiles.py``)."""
     variants: dict[str, list[str]] = {}
     hot: set[str] = set()
-    for module in ("arrayattn.attention.cuda.backward", "arrayattn.attention.cuda.decode"):
+    for module in (
+        "arrayattn.attention.cuda.backward",
+        "arrayattn.attention.cuda.decode",
+        "arrayattn.attention.cuda.tiles",  # the forward's v2 (aa_fwd_tc2) variants
+    ):
         try:
             mod = importlib.import_module(module)
         except ImportError:

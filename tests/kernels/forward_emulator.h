@@ -128,6 +128,18 @@ inline aa_u32 aa_pack2(float lo, float hi) {
     return aa_emu_pack2(lo, hi, DT == 1);
 }
 
+// __any_sync (aa_fwd_tc2's rescale vote): every lane of the warp takes part, as the
+// kernels call it with the full mask; the two warp barriers order the exchange.
+inline int __any_sync(unsigned, int pred) {
+    AaEmuWarp& w = aa_emu_warp();
+    w.val[aa_emu_lane()] = pred ? 1.0 : 0.0;
+    w.bar.arrive_and_wait();
+    int any = 0;
+    for (int l = 0; l < 32; ++l) any |= w.val[l] != 0.0;
+    w.bar.arrive_and_wait();
+    return any;
+}
+
 // ---- launch --------------------------------------------------------------------------
 inline void aa_emu_launch(AaDim3 grid, int nthreads, size_t smem_bytes,
                           const std::function<void()>& body) {

@@ -26,10 +26,13 @@ import pytest
 
 from arrayattn.attention.cuda.tiles import (
     DIAG_FROM_LENGTHS,
+    TileConfig,
     forward_kernel_name,
+    forward_launch,
     is_heavy,
     tc_row_tiles,
     tile_config,
+    tile_config_v2,
 )
 from arrayattn.attention.dropout import dropout_keep, dropout_threshold
 
@@ -62,6 +65,9 @@ class Case:
     mt: int | None = None  # tensor-core row tiles per warp (None: the default)
     sinks: bool = False  # gpt-oss sinks, one logit per (batch, head)
     alibi: bool = False  # ALiBi slopes, one per (batch, head)
+    variant: str = "v1"  # forward kernel variant (ARRAYATTN_FWD_VARIANT): v1 or v2
+    k_boost: int = 0  # the first k_boost keys scaled by 4: row maxima early, later tiles
+    # mostly raise none (v2's rescale skip)
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
     @property
@@ -76,6 +82,19 @@ class Case:
 
     @property
     def kernel(self) -> str:
+        if self.variant == "v2":
+            launch = forward_launch(
+                self.kind,
+                self.d,
+                self.softcap is not None,
+                self.dropout_p > 0,
+                self.mask_kind,
+                self.alibi,
+                1.0 / math.sqrt(self.d),
+                "v2",
+            )
+            assert launch.variant == "v2", f"v2 declines {self}"  # the case must run v2
+            return launch.name
         return forward_kernel_name(
             self.kind,
             self.d,
@@ -192,6 +211,102 @@ CASES = {
     ),
 }
 
+# The v2 tensor-core kernel (aa_fwd_tc2, ARRAYATTN_FWD_VARIANT=v2) on the same option
+# matrix, less dropout (v2 declines it: tiles.v2_declines); 64-key tiles, so S spans
+# several tiles and ragged tails, and k_boost makes later tiles skip the O rescale.
+V2_CASES = {
+    "v2_f16_d64_gqa_bshd_ragged": Case(
+        "float16", 64, Hq=4, Hkv=2, L=150, S=141, bshd=True, variant="v2"
+    ),
+    "v2_f16_d64_causal_br_lengths": Case(
+        "float16",
+        64,
+        B=2,
+        Hq=1,
+        L=70,
+        S=200,
+        causal=True,
+        bottom_right=True,
+        q_lens=(70, 33),
+        kv_lens=(200, 150),
+        variant="v2",
+    ),
+    "v2_f16_d128_causal_tl": Case("float16", 128, Hq=1, L=200, S=200, causal=True, variant="v2"),
+    "v2_f16_d128_rescale_skip": Case("float16", 128, Hq=1, L=130, S=300, k_boost=64, variant="v2"),
+    "v2_bf16_d128_noncausal_gqa": Case("bfloat16", 128, Hq=2, Hkv=1, L=140, S=257, variant="v2"),
+    "v2_f16_d128_window": Case("float16", 128, Hq=2, L=140, S=100, window=(30, 10), variant="v2"),
+    "v2_bf16_d128_causal_br": Case(
+        "bfloat16", 128, Hq=1, L=90, S=230, causal=True, bottom_right=True, variant="v2"
+    ),
+    "v2_f16_d64_softcap_window_floatmask": Case(
+        "float16",
+        64,
+        B=2,
+        Hq=2,
+        Hkv=2,
+        L=130,
+        S=97,
+        window=(20, 5),
+        softcap=2.0,
+        mask_kind=2,
+        mask_b=False,
+        variant="v2",
+    ),
+    "v2_f16_d64_no_key_tiles": Case(
+        "float16", 64, B=2, Hq=1, L=260, S=90, q_lens=(260, 20), kv_lens=(0, 90), variant="v2"
+    ),
+    "v2_f16_d64_boolmask_empty_rows": Case(
+        "float16", 64, Hq=1, L=70, S=75, mask_kind=1, mask_h=False, variant="v2"
+    ),
+    "v2_f16_d64_floatmask_causal": Case(
+        "float16", 64, Hq=1, L=100, S=150, causal=True, mask_kind=2, variant="v2"
+    ),
+    "v2_f16_d64_softcap_causal_br": Case(
+        "float16",
+        64,
+        Hq=1,
+        L=70,
+        S=160,
+        causal=True,
+        bottom_right=True,
+        softcap=3.0,
+        variant="v2",
+    ),
+    "v2_f16_d64_sinks_alibi_causal_br_lengths": Case(
+        "float16",
+        64,
+        B=2,
+        Hq=2,
+        Hkv=1,
+        L=70,
+        S=200,
+        causal=True,
+        bottom_right=True,
+        q_lens=(70, 33),
+        kv_lens=(200, 0),
+        sinks=True,
+        alibi=True,
+        variant="v2",
+    ),
+    "v2_f16_d64_alibi_window": Case(
+        "float16", 64, Hq=2, L=140, S=180, window=(50, 20), alibi=True, variant="v2"
+    ),
+    "v2_bf16_d64_sinks_alibi_softcap_window_boolmask": Case(
+        "bfloat16",
+        64,
+        Hq=2,
+        L=140,
+        S=100,
+        window=(30, 10),
+        softcap=2.0,
+        mask_kind=1,
+        sinks=True,
+        alibi=True,
+        variant="v2",
+    ),
+}
+CASES.update(V2_CASES)
+
 _STORAGE = {
     "float16": np.float16,
     "bfloat16": np.uint16,
@@ -200,13 +315,15 @@ _STORAGE = {
 }
 
 
-def _cfg_struct(kind: str, d: int, mt: int | None) -> str:
+def _cfg_struct(kind: str, d: int, mt: int | None, variant: str = "v1") -> str:
+    if variant == "v2":
+        return f"AaTc2Cfg<{d}>"
     if kind in ("float16", "bfloat16"):
         return f"AaTcCfg<{d}, {mt}>"
     return f"AaSimtCfg<{'double' if kind == 'float64' else 'float'}, {d}>"
 
 
-def _defines(kind: str, d: int, kernel: str, mt: int | None) -> list[str]:
+def _defines(kind: str, d: int, kernel: str, mt: int | None, variant: str = "v1") -> list[str]:
     tio = {
         "float16": "unsigned short",
         "bfloat16": "unsigned short",
@@ -218,7 +335,7 @@ def _defines(kind: str, d: int, kernel: str, mt: int | None) -> list[str]:
         f"-DAA_KERNEL={kernel}",
         f"-DAA_TIO={tio}",
         f"-DAA_TACC={tacc}",
-        f"-DAA_CFG={_cfg_struct(kind, d, mt)}",
+        f"-DAA_CFG={_cfg_struct(kind, d, mt, variant)}",
     ]
 
 
@@ -241,7 +358,7 @@ def build_emulator(
         str(HERE),
         "-I",
         str(kernels),
-        *_defines(case.kind, case.d, case.kernel, case.row_tiles),
+        *_defines(case.kind, case.d, case.kernel, case.row_tiles, case.variant),
         str(HERE / "forward_emulator_main.cpp"),
         "-o",
         str(exe),
@@ -296,6 +413,8 @@ def _inputs(case: Case, rng: np.random.Generator):
     stored, exact = {}, {}
     for name, shape in shapes.items():
         x = rng.standard_normal(shape) * (1.5 if name != "v" else 1.0)
+        if name == "k" and case.k_boost:
+            x[:, :, : case.k_boost] *= 4.0
         if case.kind == "bfloat16":
             bits = _bf16_bits(x)
             stored[name], exact[name] = bits, _bf16_value(bits)
@@ -395,11 +514,18 @@ def reference(case: Case, x: dict, mask) -> tuple[np.ndarray, np.ndarray]:
     return out, lse
 
 
+def _launch_config(case: Case) -> TileConfig:
+    """The launch shape fused.py would use for ``case``'s kernel."""
+    if case.variant == "v2":
+        return tile_config_v2(case.d)
+    return tile_config(case.kind, case.d, case.row_tiles)
+
+
 def launch_emulator(
     exe: Path, case: Case, stored: dict, mask, work: Path, eager: bool = False
 ) -> subprocess.CompletedProcess:
     """Write the inputs, run the emulator; its exit status and stderr are the caller's."""
-    tc = tile_config(case.kind, case.d, case.row_tiles)
+    tc = _launch_config(case)
     left, right = _structure(case)
     header = np.array(
         [
@@ -486,7 +612,12 @@ _TOL = {"float16": 3e-3, "bfloat16": 2e-2, "float32": 1e-5, "float64": 1e-12}
 _LSE_TOL = {"float16": 1e-4, "bfloat16": 1e-3, "float32": 1e-5, "float64": 1e-12}
 
 
-_EAGER = ["f16_d64_gqa_bshd_ragged", "f16_d256_boolmask_empty_rows"]
+_EAGER = [
+    "f16_d64_gqa_bshd_ragged",
+    "f16_d256_boolmask_empty_rows",
+    "v2_f16_d64_gqa_bshd_ragged",
+    "v2_f16_d128_causal_tl",
+]
 
 
 @pytest.mark.parametrize("name,eager", [(n, False) for n in CASES] + [(n, True) for n in _EAGER])
@@ -542,6 +673,11 @@ _RACE_CASES = {
         sinks=True,
         alibi=True,
     ),  # fmt: skip
+    # v2 (aa_fwd_tc2): one barrier per key tile, K[n+1] and V[n+1] copied into the other
+    # stage right after it; two row blocks, GQA, strided rows, ragged tails.
+    "v2_f16_d64_gqa": Case("float16", 64, Hq=2, Hkv=1, L=140, S=150, bshd=True, variant="v2"),
+    "v2_f16_d64_causal": Case("float16", 64, Hq=1, L=140, S=140, causal=True, variant="v2"),
+    "v2_f16_d64_no_key_tiles": CASES["v2_f16_d64_no_key_tiles"],
     # The CUDA-core kernels, float and double.
     "f32_d64_causal_gqa_softcap_dropout_bool": CASES["f32_d64_causal_gqa_softcap_dropout_bool"],
     "f64_d32_window_lengths_floatmask": CASES["f64_d32_window_lengths_floatmask"],
@@ -578,16 +714,27 @@ def test_forward_kernel_has_no_data_race(
 
 
 def _barrier_sites() -> list[tuple[int, str]]:
-    """(occurrence, kernel) of every ``__syncthreads();`` in attn_fwd.cu."""
-    simt_start = (tsan.KERNELS / "attn_fwd.cu").read_text().index("aa_fwd_simt(")
+    """(occurrence, kernel) of every ``__syncthreads();`` in attn_fwd.cu (the kernels
+    appear in the order aa_fwd_tc, aa_fwd_tc2, aa_fwd_simt)."""
+    text = (tsan.KERNELS / "attn_fwd.cu").read_text()
+    tc2_start = text.index("aa_fwd_tc2(")
+    simt_start = text.index("aa_fwd_simt(")
     offsets = tsan.barrier_offsets("attn_fwd.cu")
-    return [(i, "simt" if pos > simt_start else "tc") for i, pos in enumerate(offsets)]
+
+    def kernel(pos: int) -> str:
+        return "simt" if pos > simt_start else ("tc2" if pos > tc2_start else "tc")
+
+    return [(i, kernel(pos)) for i, pos in enumerate(offsets)]
 
 
 # A case whose schedule needs each barrier: the tensor-core barriers guard K/V/Q tiles
 # (the no-key-tiles case also has blocks where only Q's copy is in flight at the epilogue),
 # the CUDA-core ones Q^T, K/V and P^T.
-_MUTATION_CASE = {"tc": "f16_d64_no_key_tiles", "simt": "f32_d64_causal_gqa_softcap_dropout_bool"}
+_MUTATION_CASE = {
+    "tc": "f16_d64_no_key_tiles",
+    "tc2": "v2_f16_d64_no_key_tiles",
+    "simt": "f32_d64_causal_gqa_softcap_dropout_bool",
+}
 
 
 @pytest.mark.parametrize("site,kernel", _barrier_sites())

@@ -35,6 +35,9 @@ _EXES: dict[str, Path] = {}
 
 
 def _cfg(name: str) -> str:
+    m2 = re.match(r"aa_fwd_tc2<\s*\d+\s*,\s*(\d+)", name)  # v2: AaTc2Cfg<D>
+    if m2:
+        return f"AaTc2Cfg<{m2.group(1)}>"
     m = re.match(r"aa_fwd_(tc|simt)<\s*(\w+)\s*,\s*(\d+)\s*,\s*(\w+)", name)
     assert m, name
     kind, t, d, mt = m.groups()
@@ -259,6 +262,32 @@ def test_sinks_alibi_gqa_lengths_float16(fake_cupy) -> None:
     slopes = (2.0 ** -np.arange(1, 5))[None, :] * np.array([[1.0], [2.0]])
     _check(q, k, k, enable_gqa=True, is_causal=True, causal_align="bottom_right",
            kv_lengths=np.array([70, 0]), sinks=sinks, alibi_slopes=slopes)  # fmt: skip
+
+
+@pytest.mark.parametrize("features", [False, True])
+def test_forward_variant_v2_float16(fake_cupy, monkeypatch, features) -> None:
+    """ARRAYATTN_FWD_VARIANT=v2 through fused.py: aa_fwd_tc2 at D = 128 (strided, GQA,
+    causal bottom-right, lengths) and, with sinks, ALiBi and a bool mask, at D = 64; the
+    launch replays on the emulator against the composed path."""
+    monkeypatch.setenv("ARRAYATTN_FWD_VARIANT", "v2")
+    launched: list[str] = []
+    real = _loader.get_kernel
+    monkeypatch.setattr(
+        _loader, "get_kernel", lambda f, n, smem=0: launched.append(n) or real(f, n, smem)
+    )
+    rng = np.random.default_rng()
+    e = 64 if features else 128
+    q = rng.standard_normal((2, 70, 4, e)).astype(np.float16).transpose(0, 2, 1, 3)
+    k = rng.standard_normal((2, 2, 150, e)).astype(np.float16)
+    kw: dict = {}
+    mask = None
+    if features:
+        mask = rng.random((70, 150)) < 0.8
+        kw = dict(sinks=rng.standard_normal(4).astype(np.float16),
+                  alibi_slopes=2.0 ** -np.arange(1, 5))  # fmt: skip
+    _check(q, k, k, mask, enable_gqa=True, is_causal=True, causal_align="bottom_right",
+           q_lengths=np.array([70, 41]), kv_lengths=np.array([150, 90]), **kw)  # fmt: skip
+    assert launched and all(n.startswith(f"aa_fwd_tc2<0, {e},") for n in launched), launched
 
 
 def test_sinks_alibi_broadcast_float64(fake_cupy) -> None:

@@ -36,6 +36,20 @@ def _poison(monkeypatch):
     monkeypatch.setattr(fused, "POISON_OUTPUTS", True)
 
 
+@pytest.fixture(autouse=True, params=["v1", "v2"])
+def fwd_variant(request, monkeypatch) -> str:
+    """Every test runs on the default forward kernels (v1) and again with
+    ARRAYATTN_FWD_VARIANT=v2 (aa_fwd_tc2 where tiles.v2_declines lets it run, v1
+    elsewhere). v2 changes only float16/bfloat16 calls, so the v2 run of a float32 or
+    float64 case is skipped."""
+    callspec = getattr(request.node, "callspec", None)
+    dtype = callspec.params.get("dtype") if callspec is not None else None
+    if request.param == "v2" and dtype is not None and "16" not in str(dtype):
+        pytest.skip("v2 is a float16/bfloat16 variant")
+    monkeypatch.setenv("ARRAYATTN_FWD_VARIANT", request.param)
+    return request.param
+
+
 def reference(
     q,
     k,
@@ -211,6 +225,22 @@ def _run_case(
 
 
 DTYPES = [np.float16, np.float32, np.float64]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_variant_runs_its_kernel(monkeypatch, fwd_variant, causal) -> None:
+    """The switch reaches the launch: float16 D = 128 runs aa_fwd_tc2 under v2 and
+    aa_fwd_tc under v1 (several 64-key tiles, causal block skipping, ragged tails)."""
+    from arrayattn.attention.cuda import _loader
+
+    names: list[str] = []
+    real = _loader.get_kernel
+    monkeypatch.setattr(
+        _loader, "get_kernel", lambda f, n, smem=0: names.append(n) or real(f, n, smem)
+    )
+    _run_case(np.float16, 2, 4, 2, 1000, 1000, 128, seed_data=13, is_causal=causal)
+    want = "aa_fwd_tc2<0, 128," if fwd_variant == "v2" else "aa_fwd_tc<0, 128,"
+    assert any(n.startswith(want) for n in names), names
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -18,7 +18,7 @@ import _compile_check
 import pytest
 from _nvrtc import find_nvrtc, lowered_names
 
-from arrayattn.attention.cuda import backward, decode
+from arrayattn.attention.cuda import backward, decode, tiles
 
 
 def _variants() -> dict[str, list[str]]:
@@ -27,6 +27,8 @@ def _variants() -> dict[str, list[str]]:
     out = {mod.FWD: [name for name, *_ in mod.forward_variants()]}
     out.update(backward.COMPILE_VARIANTS)
     out.update(decode.COMPILE_VARIANTS)
+    for source, names in tiles.COMPILE_VARIANTS.items():  # the forward's v2 (aa_fwd_tc2)
+        out.setdefault(source, []).extend(names)
     return out
 
 

@@ -15,13 +15,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from arrayattn.attention.cuda import tiles
 from arrayattn.attention.cuda.tiles import (
     HEAD_DIMS,
     allowed,
     block_schedule,
     forward_kernel_name,
+    forward_launch,
     head_dim_bucket,
+    row_keys,
+    tc_row_tiles,
     tile_config,
+    tile_config_v2,
 )
 
 
@@ -152,3 +157,109 @@ def test_kernel_names() -> None:
     assert forward_kernel_name("float16", 128, False, True, 0).startswith("aa_fwd_tc<0, 128, 1,")
     with pytest.raises(ValueError, match="kind"):
         forward_kernel_name("int8", 64, False, False, 0)
+
+
+# -- v2 (aa_fwd_tc2, ARRAYATTN_FWD_VARIANT=v2) --------------------------------------------
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("d", tiles.V2_HEAD_DIMS)
+def test_v2_schedule_matches_dense_mask(case, d) -> None:
+    cfg = tile_config_v2(d)
+    assert (cfg.block_m, cfg.block_n, cfg.threads) == (128, 64, 128)
+    check_schedule(*case, cfg.block_m, cfg.block_n)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    i=st.integers(0, 400),
+    q_len=st.integers(0, 400),
+    offset=st.integers(-400, 400),
+    left=st.integers(-1, 200),
+    right=st.integers(-1, 200),
+    kv_len=st.integers(0, 400),
+    c0=st.sampled_from(range(0, 448, 64)),
+)
+def test_v2_row_keys_match_allowed(i, q_len, offset, left, right, kv_len, c0) -> None:
+    """v2's branch-free element test on masked tiles (one unsigned compare per key) is
+    the structural rule, key by key, for every key of a 64-key tile."""
+    for t in range(4):  # the four threads of a row, each at keys c0 + 2t + 8 nt + e
+        base, span = row_keys(i, q_len, offset, left, right, kv_len, c0 + 2 * t)
+        for k in [8 * nt + e for nt in range(8) for e in (0, 1)]:
+            want = i < q_len and allowed(i, c0 + 2 * t + k, offset, left, right, kv_len)
+            assert (((base + k) & 0xFFFFFFFF) <= span) == want, (t, k)
+
+
+def test_v2_fits_two_blocks_per_sm() -> None:
+    # sm_90: 228 KB of shared memory per SM, 1 KB reserved per block; 227 KB per block.
+    for d in tiles.V2_HEAD_DIMS:
+        smem = tile_config_v2(d).smem_bytes
+        assert 2 * (smem + 1024) <= 228 * 1024, (d, smem)
+    assert tile_config_v2(128).smem_bytes == (128 + 4 * 64) * 136 * 2
+
+
+def test_forward_variant_switch(monkeypatch) -> None:
+    monkeypatch.delenv("ARRAYATTN_FWD_VARIANT", raising=False)
+    assert tiles.forward_variant() == "v1"
+    monkeypatch.setenv("ARRAYATTN_FWD_VARIANT", "")
+    assert tiles.forward_variant() == "v1"
+    monkeypatch.setenv("ARRAYATTN_FWD_VARIANT", "v2")
+    assert tiles.forward_variant() == "v2"
+    assert forward_launch("float16", 128, False, False, 0, False, 0.1).variant == "v2"
+    monkeypatch.setenv("ARRAYATTN_FWD_VARIANT", "V2")
+    with pytest.raises(ValueError, match="ARRAYATTN_FWD_VARIANT"):
+        tiles.forward_variant()
+    with pytest.raises(ValueError, match="variant"):
+        forward_launch("float16", 128, False, False, 0, False, 0.1, "v3")
+
+
+_FLAGS = [
+    (softcap, dropout, mask, alibi)
+    for softcap in (False, True)
+    for dropout in (False, True)
+    for mask in (0, 1, 2)
+    for alibi in (False, True)
+]
+
+
+@pytest.mark.parametrize("kind", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_v1_launch_is_unchanged(kind, d) -> None:
+    """The default (v1) launch is exactly what fused.py computed before the switch."""
+    tc = kind in ("float16", "bfloat16")
+    for softcap, dropout, mask, alibi in _FLAGS:
+        launch = forward_launch(kind, d, softcap, dropout, mask, alibi, 0.125, "v1")
+        mt = tc_row_tiles(d, tiles.is_heavy(softcap, dropout, mask)) if tc else None
+        assert launch.variant == "v1"
+        assert launch.name == forward_kernel_name(kind, d, softcap, dropout, mask, mt)
+        assert launch.config == tile_config(kind, d, mt)
+
+
+@pytest.mark.parametrize("kind", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_v2_serves_or_declines_to_v1(kind, d) -> None:
+    """v2 runs where v2_declines says so, with a compiled instantiation; everywhere else
+    the call gets exactly the v1 launch."""
+    compiled = set(tiles.COMPILE_VARIANTS["attn_fwd.cu"])
+    for softcap, dropout, mask, alibi in _FLAGS:
+        for scale in (0.125, 0.0, -0.5):
+            v1 = forward_launch(kind, d, softcap, dropout, mask, alibi, scale, "v1")
+            v2 = forward_launch(kind, d, softcap, dropout, mask, alibi, scale, "v2")
+            reason = tiles.v2_declines(kind, d, dropout, scale, softcap, mask, alibi)
+            if reason is not None:
+                assert v2 == v1, reason
+                continue
+            assert kind in ("float16", "bfloat16") and d in tiles.V2_HEAD_DIMS
+            assert not dropout and scale > 0
+            assert v2.variant == "v2" and v2.name.startswith("aa_fwd_tc2<")
+            assert v2.config == tile_config_v2(d)
+            if not (softcap or mask or alibi):
+                assert v2.name in tiles.HOT_VARIANTS
+            if (kind, softcap, mask, alibi) in (
+                ("float16", False, 0, False),
+                ("bfloat16", False, 0, False),
+                ("float16", True, 0, False),
+                ("float16", False, 1, False),
+                ("float16", False, 2, False),
+                ("float16", False, 0, True),
+                ("bfloat16", True, 1, True),
+            ):
+                assert v2.name in compiled, v2.name

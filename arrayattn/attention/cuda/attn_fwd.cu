@@ -1,12 +1,14 @@
 // arrayattn/attention/cuda/attn_fwd.cu -- FlashAttention-2 forward kernels.
 //
-// Two kernels with one argument list (see AA_FWD_ARGS below):
+// Three kernels with one argument list (see AA_FWD_ARGS below):
 //   aa_fwd_tc<DT, D, MT, SOFTCAP, DROPOUT, MASK>   float16 (DT=0) / bfloat16 (DT=1), tensor
 //       cores, MT row tiles of 16 per warp (AaTcDefaultMT):
 //       mma.sync.m16n8k16 (row.col, f32 accumulators), ldmatrix, cp.async double buffering,
 //       probabilities repacked in registers as the A operand of P @ V. sm_80 or newer.
 //   aa_fwd_simt<T, D, SOFTCAP, DROPOUT, MASK>   float / double on CUDA cores, register tiles,
 //       accumulation (and softmax, and LSE) in T.
+//   aa_fwd_tc2<DT, D, SOFTCAP, MASK, ALIBI>   the tensor-core kernel's variant 2 (128 x 64
+//       tiles, one barrier per key tile; ARRAYATTN_FWD_VARIANT=v2, see its section).
 // D (head dim of Q, K and V) is one of 32, 64, 96, 128, 256; the host pads other sizes.
 // Runtime options (null pointers when absent; contiguous (batch, Hq) in the accumulation
 // type, indexed blockIdx.z * gridDim.y + head): sinks, gpt-oss logits folded into each
@@ -482,6 +484,376 @@ __global__ void __launch_bounds__(AaTcCfg<D, MT>::NT, AaTcCfg<D, MT>::MIN_BLOCKS
 
     // Epilogue: normalise once, stage the warp's rows through its own part of sQ, write
     // 16-byte vectors; LSE = ln(2) * (m + log2(l)), -inf for empty rows.
+    aa_cp_wait<0>();
+    __syncthreads();
+    unsigned short* sO = sQ + warp * WR * DP;
+    float* lg = lse + sq.tb * lse_sb + h * lse_sh + sq.row_base;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        float inv_l[2], lse_v[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float l = l_r[mt][r];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            float m = m_r[mt][r];
+            float o_scale = 1.f;
+            if (sinks != nullptr) o_scale = aa_fold_sink(sinks[bh] * (float)AA_LOG2E, m, l);
+            inv_l[r] = l > 0.f ? inv_keep * o_scale / l : 0.f;
+            lse_v[r] = l > 0.f ? (m + log2f(l)) * (float)AA_LN2 : aa_neg_inf_f();
+        }
+#pragma unroll
+        for (int i = 0; i < NO; ++i) {
+            const int col = i * 8 + 2 * t;
+            *reinterpret_cast<aa_u32*>(sO + (16 * mt + g) * DP + col) =
+                aa_pack2<DT>(acc_o[mt][i][0] * inv_l[0], acc_o[mt][i][1] * inv_l[0]);
+            *reinterpret_cast<aa_u32*>(sO + (16 * mt + g + 8) * DP + col) =
+                aa_pack2<DT>(acc_o[mt][i][2] * inv_l[1], acc_o[mt][i][3] * inv_l[1]);
+        }
+        if (t == 0) {
+            const int row = row_w + 16 * mt;
+            if (row < sq.rows_store) lg[row] = lse_v[0];
+            if (row + 8 < sq.rows_store) lg[row + 8] = lse_v[1];
+        }
+    }
+    __syncwarp();
+    unsigned short* og = o + sq.tb * o_sb + h * o_sh;
+    constexpr int CPR = D / 8;
+#pragma unroll
+    for (int it = 0; it < (WR * CPR + 31) / 32; ++it) {
+        const int c = lane + it * 32;
+        if ((WR * CPR) % 32 == 0 || c < WR * CPR) {
+            const int rr = c / CPR, kc = c - rr * CPR;
+            const int row = r0 + warp * WR + rr;
+            if (row < sq.rows_store) {
+                *reinterpret_cast<uint4*>(og + (long long)(sq.row_base + row) * o_sr + kc * 8) =
+                    *reinterpret_cast<const uint4*>(sO + rr * DP + kc * 8);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Tensor-core kernel, variant 2 (float16 / bfloat16): ARRAYATTN_FWD_VARIANT=v2 (tiles.py)
+// ---------------------------------------------------------------------------------------
+// The same algorithm and argument list as aa_fwd_tc, reshaped for issue rate:
+// - 128 x 64 tiles (4 warps x 32 query rows, MT = 2; 64 keys per tile at D = 64 and
+//   128): the row-max shuffles, the O rescale and the barrier are paid every 64 keys
+//   instead of every 32 (aa_fwd_tc at D >= 96).
+// - K/V copy addresses advance by a fixed stride per thread (aa_tile_async_rows), not a
+//   64-bit multiply per 16-byte chunk.
+// - One barrier per key tile: at the top of tile n each thread waits for all its copies
+//   (K[n] and V[n], issued one whole tile earlier), the barrier publishes them and
+//   retires every read of tile n - 1, and the copies of K[n+1] and V[n+1] go into the
+//   other stage right away, before the scores and the softmax of tile n.
+// - RAW (no softcap, no dense mask, no ALiBi): scores stay raw q.k; the row max is taken
+//   on raw scores and scaled once per row, and p = exp2(s * scale_log2 - m) is one FFMA
+//   feeding MUFU.EX2. Needs scale_log2 > 0 (the host declines v2 otherwise). Masked
+//   elements are -inf raw scores, which stay -inf after the FFMA.
+// - The O rescale runs only when some row of the warp raised its max in this tile (a warp
+//   vote); rows whose max did not change take alpha = 1 exactly, so skipping the multiply
+//   changes no bit and correctness does not depend on the vote.
+// - ALiBi is a template flag (the alibi pointer must be non-null exactly when it is set),
+//   like softcap and the mask kind, so none of their code exists in the plain variant.
+// Dropout is not supported here (register budget at MT = 2 with 64-key tiles); the host
+// runs aa_fwd_tc for dropout, for D other than 64 and 128, and for softcap, dense masks
+// and ALiBi at D = 128, which spill here (tiles.v2_declines).
+// The keys row i may see, [jlo, jhi] (i < q_len and aa_allowed; every key j >= 0), as an
+// unsigned range test: key j0 + k is allowed <=> base + k <= span (unsigned), with
+// base = j0 - jlo and span = jhi - jlo. For 0 <= jlo <= jhi < 2**31 and 0 <= j < 2**31 the
+// wrapped difference j - jlo is <= span exactly when jlo <= j <= jhi; an empty row takes
+// jlo = INT_MAX and span = 0, which only j = INT_MAX (never a key) would pass.
+AA_DEV void aa_row_keys(int i, int q_len, int offset, int left, int right, int kv_len, int j0,
+                        aa_u32& base, aa_u32& span) {
+    const int diag = i + offset;
+    int jlo = left >= 0 ? diag - left : 0;
+    if (jlo < 0) jlo = 0;
+    int jhi = kv_len - 1;
+    if (right >= 0 && diag + right < jhi) jhi = diag + right;
+    if (i >= q_len || jhi < jlo) {
+        jlo = 2147483647;
+        jhi = jlo;
+    }
+    base = (aa_u32)j0 - (aa_u32)jlo;
+    span = (aa_u32)jhi - (aa_u32)jlo;
+}
+
+// aa_tile_async for v2's K/V tiles with the thread's chunk geometry hoisted: NT is a
+// multiple of D / 8, so thread tid copies column chunk tid % (D / 8) of rows
+// tid / (D / 8) + it * (NT / (D / 8)), and the source pointer advances by a fixed stride
+// (no 64-bit multiply per chunk, which made address arithmetic about a quarter of v1's
+// main loop). Rows >= nvalid are zero-filled from `safe`, as in aa_tile_async.
+template <int R, int D, int DP, int NT>
+AA_DEV void aa_tile_async_rows(aa_u32 sbase, const unsigned short* g, long long rs, int nvalid,
+                               const unsigned short* safe, int tid) {
+    constexpr int CPR = D / 8;
+    static_assert(NT % CPR == 0 && (R * CPR) % NT == 0, "whole rows per pass");
+    constexpr int RSTEP = NT / CPR, ITERS = R * CPR / NT;
+    const int row0 = tid / CPR, kc = tid - row0 * CPR;
+    const unsigned short* p = g + row0 * rs + kc * 8;
+    const long long step = RSTEP * rs;
+    const aa_u32 sdst = sbase + (aa_u32)((row0 * DP + kc * 8) * 2);
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+        const bool valid = row0 + it * RSTEP < nvalid;
+        aa_cp_async16(sdst + (aa_u32)(it * RSTEP * DP * 2), valid ? p : safe, valid);
+        p += step;
+    }
+}
+
+template <int D>
+struct AaTc2Cfg {
+    static constexpr int BM = 128;  // query rows per block
+    static constexpr int BN = 64;   // keys per tile
+    static constexpr int MT = 2;    // m16 row tiles per warp
+    static constexpr int WARPS = BM / (16 * MT);
+    static constexpr int NT = WARPS * 32;
+    static constexpr int DP = D + 8;  // smem row pitch (halves): ldmatrix conflict-free
+    // Two blocks (8 warps) per SM: 255 registers per thread at most, and 2 x SMEM fits in
+    // 228 KB for D <= 128 (D = 128: 104448 bytes per block).
+    static constexpr int MIN_BLOCKS = 2;
+    static constexpr int SMEM = (BM + 4 * BN) * DP * 2;  // Q + 2 stages of K and V
+};
+
+template <int DT, int D, bool SOFTCAP, int MASK, bool ALIBI>
+__global__ void __launch_bounds__(AaTc2Cfg<D>::NT, AaTc2Cfg<D>::MIN_BLOCKS)
+    aa_fwd_tc2(AA_FWD_ARGS(unsigned short, float)) {
+    using C = AaTc2Cfg<D>;
+    constexpr int BM = C::BM, BN = C::BN, DP = C::DP, NT = C::NT, MT = C::MT;
+    constexpr int NS = BN / 8;   // S n-tiles per row tile
+    constexpr int NO = D / 8;    // O n-tiles per row tile
+    constexpr int KS = D / 16;   // k-steps of Q K^T
+    constexpr int WR = 16 * MT;  // rows per warp
+    constexpr bool RAW = !SOFTCAP && MASK == 0 && !ALIBI;
+
+    const int b = blockIdx.z, h = blockIdx.y;
+    const AaSeq sq = aa_sequence(b, q_lens, kv_lens, cu_q, cu_k, L, S, diag);
+    const long long bh = (long long)b * gridDim.y + h;
+    float slope2 = 0.f;
+    if constexpr (ALIBI) slope2 = alibi[bh] * (float)AA_LOG2E;
+    const int r0 = (gridDim.x - 1 - blockIdx.x) * BM;  // late (causally heavy) blocks first
+    if (r0 >= sq.rows_store) return;
+    const int rows_valid = sq.q_len - r0;  // may be <= 0 (padding rows only)
+
+    int lo, hi;
+    aa_key_range(r0, r0 + (rows_valid < BM ? rows_valid : BM), sq.offset, left, right,
+                 sq.kv_len, lo, hi);
+    const int n_begin = lo / BN;
+    const int n_end = hi > lo ? (hi + BN - 1) / BN : n_begin;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+
+    unsigned short* sQ = reinterpret_cast<unsigned short*>(aa_smem);
+    const aa_u32 sQa = aa_smem_u32(sQ);
+    const aa_u32 sKa = sQa + BM * DP * 2;
+    const aa_u32 sVa = sKa + 2 * BN * DP * 2;
+    constexpr aa_u32 STAGE = BN * DP * 2;  // bytes per K or V stage
+
+    const unsigned short* qg = q + sq.tb * q_sb + h * q_sh + (long long)(sq.row_base + r0) * q_sr;
+    const int kvh = h / G;
+    const unsigned short* kg = k + sq.tb * k_sb + kvh * k_sh + (long long)sq.col_base * k_sr;
+    const unsigned short* vg = v + sq.tb * v_sb + kvh * v_sh + (long long)sq.col_base * v_sr;
+
+    // Prologue: Q, K[n_begin] and V[n_begin] as one commit group (the first tile waits
+    // for all three anyway).
+    aa_tile_async<BM, D, DP, NT>(sQa, qg, q_sr, rows_valid, q, tid);
+    if (n_begin < n_end) {
+        const int c0 = n_begin * BN;
+        aa_tile_async_rows<BN, D, DP, NT>(sKa, kg + c0 * k_sr, k_sr, sq.kv_len - c0, k, tid);
+        aa_tile_async_rows<BN, D, DP, NT>(sVa, vg + c0 * v_sr, v_sr, sq.kv_len - c0, v, tid);
+    }
+    aa_cp_commit();
+
+    float acc_o[MT][NO][4];
+    float m_r[MT][2], l_r[MT][2];  // m_r: running row max, log2 domain, scaled
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int i = 0; i < NO; ++i)
+            acc_o[mt][i][0] = acc_o[mt][i][1] = acc_o[mt][i][2] = acc_o[mt][i][3] = 0.f;
+        m_r[mt][0] = m_r[mt][1] = aa_neg_inf_f();
+        l_r[mt][0] = l_r[mt][1] = 0.f;
+    }
+    // Scores -> log2 domain inside the exp2's FFMA (RAW), or already there.
+    const float mul = RAW ? scale_log2 : 1.f;
+
+    // This thread's rows: row_w + 16 * mt + 8 * half.
+    const int row_w = r0 + warp * WR + g;
+
+    // ldmatrix lane addresses (byte offsets inside a tile)
+    const aa_u32 q_lane = (aa_u32)(((warp * WR + (lane & 15)) * DP + (lane >> 4) * 8) * 2);
+    const aa_u32 k_lane = (aa_u32)((((lane & 7) + ((lane >> 4) << 3)) * DP + ((lane >> 3) & 1) * 8) * 2);
+    const aa_u32 v_lane = (aa_u32)((((lane & 7) + (((lane >> 3) & 1) << 3)) * DP + (lane >> 4) * 8) * 2);
+
+    for (int n = n_begin; n < n_end; ++n) {
+        const aa_u32 stage = (aa_u32)((n - n_begin) & 1) * STAGE;
+        aa_cp_wait<0>();  // this thread's copies of K[n] and V[n] (and Q) have landed
+        __syncthreads();  // ... every thread's; and tile n - 1's stage is no longer read
+        if (n + 1 < n_end) {
+            const int c1 = (n + 1) * BN;
+            aa_tile_async_rows<BN, D, DP, NT>(sKa + (STAGE ^ stage), kg + c1 * k_sr, k_sr,
+                                         sq.kv_len - c1, k, tid);
+            aa_tile_async_rows<BN, D, DP, NT>(sVa + (STAGE ^ stage), vg + c1 * v_sr, v_sr,
+                                         sq.kv_len - c1, v, tid);
+        }
+        aa_cp_commit();
+
+        // S = Q K^T for this warp's rows and the tile's BN keys; each K fragment feeds
+        // both row tiles.
+        float s[MT][NS][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < NS; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            aa_u32 a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                aa_ldsm_x4(sQa + q_lane + (mt * 16 * DP + ks * 16) * 2, a[mt][0], a[mt][1],
+                           a[mt][2], a[mt][3]);
+#pragma unroll
+            for (int jp = 0; jp < NS / 2; ++jp) {
+                aa_u32 b0, b1, b2, b3;
+                aa_ldsm_x4(sKa + stage + k_lane + (jp * 16 * DP + ks * 16) * 2, b0, b1, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    aa_mma<DT>(s[mt][2 * jp], a[mt], b0, b1);
+                    aa_mma<DT>(s[mt][2 * jp + 1], a[mt], b2, b3);
+                }
+            }
+        }
+
+        // Element e of n-tile nt of row tile mt sits at row row_w + 16 * mt + 8 * (e >> 1),
+        // key c0 + nt * 8 + 2 * t + (e & 1).
+        const int c0 = n * BN;
+        const bool full = r0 + BM <= sq.q_len &&
+                          aa_block_full(r0, r0 + BM, c0, c0 + BN, sq.offset, left, right, sq.kv_len);
+        if constexpr (RAW) {
+            // Raw scores; only the structure can mask, and only on tiles not entirely
+            // allowed. aa_allowed as one key interval per row (aa_row_keys), so the
+            // element test is one unsigned compare and a select, no branch.
+            if (!full) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        aa_u32 base, span;
+                        aa_row_keys(row_w + 16 * mt + 8 * half, sq.q_len, sq.offset, left, right,
+                                    sq.kv_len, c0 + 2 * t, base, span);
+#pragma unroll
+                        for (int nt = 0; nt < NS; ++nt)
+#pragma unroll
+                            for (int e = 0; e < 2; ++e) {
+                                const bool ok = base + (aa_u32)(nt * 8 + e) <= span;
+                                float& x = s[mt][nt][2 * half + e];
+                                x = ok ? x : aa_neg_inf_f();
+                            }
+                    }
+            }
+        } else {
+            // Scores to the log2 domain (scale, softcap, float bias, ALiBi); masks.
+            const long long m_base = sq.tb * m_sb + h * m_sh;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NS; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int i = row_w + 16 * mt + 8 * (e >> 1);
+                        const int j = c0 + nt * 8 + 2 * t + (e & 1);
+                        const bool ok =
+                            full || (i < sq.q_len && aa_allowed(i, j, sq.offset, left, right, sq.kv_len));
+                        float x = aa_neg_inf_f();
+                        if (ok) {
+                            const long long m_off = m_base + (long long)(sq.row_base + i) * m_sr +
+                                                    (long long)(sq.col_base + j) * m_sc;
+                            x = aa_score<float, SOFTCAP, MASK>(s[mt][nt][e], scale_log2, scale,
+                                                               softcap, inv_softcap, mask, m_off);
+                            if constexpr (ALIBI) x -= slope2 * (float)aa_alibi_dist(i, j, sq.offset);
+                        }
+                        s[mt][nt][e] = x;
+                    }
+        }
+
+        // Online softmax: the tile's row max (4 threads share a row), scaled once per row.
+        float m_use[MT][2], alpha[MT][2];
+        bool grew = false;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            float mx[2] = {aa_neg_inf_f(), aa_neg_inf_f()};
+#pragma unroll
+            for (int nt = 0; nt < NS; ++nt) {
+                mx[0] = fmaxf(mx[0], fmaxf(s[mt][nt][0], s[mt][nt][1]));
+                mx[1] = fmaxf(mx[1], fmaxf(s[mt][nt][2], s[mt][nt][3]));
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                const float m_old = m_r[mt][r];
+                const float m_new = fmaxf(m_old, mx[r] * mul);  // mul > 0: max commutes
+                const bool up = m_new > m_old;  // false while the row has seen no key
+                grew = grew || up;
+                m_use[mt][r] = m_new == aa_neg_inf_f() ? 0.f : m_new;  // exp2(-inf) = 0
+                alpha[mt][r] = up ? aa_exp2(m_old - m_use[mt][r]) : 1.f;
+                m_r[mt][r] = m_new;
+                l_r[mt][r] *= alpha[mt][r];
+            }
+        }
+        // Rescale O only when a row of this warp raised its max (alpha is exactly 1 for
+        // every other row, so skipping the multiply changes nothing).
+        if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int i = 0; i < NO; ++i) {
+                    acc_o[mt][i][0] *= alpha[mt][0];
+                    acc_o[mt][i][1] *= alpha[mt][0];
+                    acc_o[mt][i][2] *= alpha[mt][1];
+                    acc_o[mt][i][3] *= alpha[mt][1];
+                }
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NS; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float p = aa_exp2(fmaf(s[mt][nt][e], mul, -m_use[mt][e >> 1]));
+                    l_r[mt][e >> 1] += p;
+                    s[mt][nt][e] = p;
+                }
+
+        // O += P V with P repacked from the S accumulators as A fragments; each V
+        // fragment feeds both row tiles. V[n] landed before this tile's barrier.
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            aa_u32 a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                a[mt][0] = aa_pack2<DT>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                a[mt][1] = aa_pack2<DT>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                a[mt][2] = aa_pack2<DT>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                a[mt][3] = aa_pack2<DT>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                aa_u32 b0, b1, b2, b3;
+                aa_ldsm_x4_t(sVa + stage + v_lane + (kk * 16 * DP + dp * 16) * 2, b0, b1, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    aa_mma<DT>(acc_o[mt][2 * dp], a[mt], b0, b1);
+                    aa_mma<DT>(acc_o[mt][2 * dp + 1], a[mt], b2, b3);
+                }
+            }
+        }
+    }
+
+    // Epilogue (as aa_fwd_tc): normalise once, stage the warp's rows through its own part
+    // of sQ, write 16-byte vectors; LSE = ln(2) * (m + log2(l)), -inf for empty rows. The
+    // barrier is for blocks with no key tile, whose Q copies (other threads') are in flight.
     aa_cp_wait<0>();
     __syncthreads();
     unsigned short* sO = sQ + warp * WR * DP;

@@ -10,6 +10,9 @@ What runs in the kernel (``attn_fwd.cu``) and what does not:
   the seed-defined dropout, ``return_lse``, dense bool and float ``attn_mask`` of any
   broadcastable shape (read in the kernel through element strides; a float mask is first
   cast to the kernel's accumulation dtype, a copy of the mask's own, unbroadcast shape).
+* Forward kernel variant: ``ARRAYATTN_FWD_VARIANT`` = ``v1`` (default) or ``v2``
+  (``aa_fwd_tc2``, 16-bit dtypes at D = 64/128; ``tiles.forward_launch`` picks the kernel
+  and ``tiles.v2_declines`` says which calls stay on v1), for A/B timing on a GPU.
 * Decode-shaped calls (``L <= 16`` query rows over ``S >= 128`` keys, no mask, no
   dropout) run the split-KV decode kernels of ``decode.py`` instead of the prefill kernel.
 * ``sinks`` (folded into each row's denominator at the end of the online softmax) and
@@ -53,7 +56,7 @@ from .operands import (
     operand,
     per_head_operand,
 )
-from .tiles import forward_kernel_name, head_dim_bucket, is_heavy, tc_row_tiles, tile_config
+from .tiles import forward_launch, head_dim_bucket
 
 __all__ = ["FusedAttention", "FUSED", "declines", "auto_declines"]
 
@@ -165,8 +168,12 @@ class FusedAttention:
         dropout = spec.dropout_p > 0.0
         mask_kind = 0 if attn_mask is None else (1 if spec.mask_kind == "bool" else 2)
         tc = kind in ("float16", "bfloat16")
-        mt = tc_row_tiles(d, is_heavy(softcap, dropout, mask_kind)) if tc else None
-        cfg = tile_config(kind, d, mt)
+        # ARRAYATTN_FWD_VARIANT (tiles.forward_variant): v1 unless v2 is asked for and
+        # serves the call (tiles.v2_declines lists what stays on v1).
+        launch = forward_launch(
+            kind, d, softcap, dropout, mask_kind, spec.alibi_slopes is not None, spec.scale
+        )
+        cfg = launch.config
         q, q_sb, q_sh, q_sr = operand(spec, query, d, tc)
         k, k_sb, k_sh, k_sr = operand(spec, key, d, tc)
         v, v_sb, v_sh, v_sr = operand(spec, value, d, tc)
@@ -189,8 +196,7 @@ class FusedAttention:
         st = spec.structure
         diag = kernel_diagonal(spec)
         assert diag is not None  # declines() refused the call otherwise
-        name = forward_kernel_name(kind, d, softcap, dropout, mask_kind, mt)
-        kernel = _loader.get_kernel("attn_fwd.cu", name, cfg.smem_bytes)
+        kernel = _loader.get_kernel("attn_fwd.cu", launch.name, cfg.smem_bytes)
 
         i64 = np.int64
         cap = 1.0 if spec.softcap is None else spec.softcap

@@ -24,6 +24,18 @@ __all__ = [
     "block_schedule",
     "forward_kernel_name",
     "DIAG_FROM_LENGTHS",
+    "FWD_VARIANTS",
+    "V2_HEAD_DIMS",
+    "V2_FEATURE_HEAD_DIMS",
+    "ForwardLaunch",
+    "forward_variant",
+    "v2_declines",
+    "forward_launch",
+    "tile_config_v2",
+    "forward_kernel_name_v2",
+    "row_keys",
+    "COMPILE_VARIANTS",
+    "HOT_VARIANTS",
 ]
 
 DIAG_FROM_LENGTHS = -(2**31)
@@ -180,3 +192,181 @@ def forward_kernel_name(
     if kind in ("float32", "float64"):
         return f"aa_fwd_simt<{'double' if kind == 'float64' else 'float'}, {d}, {flags}>"
     raise ValueError(f"kind must be float16, bfloat16, float32 or float64, got {kind!r}")
+
+
+# -- forward kernel variants (ARRAYATTN_FWD_VARIANT) ---------------------------------------
+FWD_VARIANTS = ("v1", "v2")
+"""Forward kernel variants: ``v1`` (``aa_fwd_tc`` / ``aa_fwd_simt``, the default) and ``v2``
+(``aa_fwd_tc2``: 128 x 64 tiles, one barrier per key tile, the scale folded into the exp2
+FMA, the O rescale skipped when no row max grew; 16-bit kinds only)."""
+
+V2_HEAD_DIMS = (64, 128)
+"""Head dims ``aa_fwd_tc2`` is instantiated for. D = 32, 96 and 256 stay on v1: at D = 96
+a row is 12 16-byte chunks, which 128 threads do not split into whole rows (v2's K/V copy
+relies on it), and an earlier build spilled there; D = 32 and 256 are not the target."""
+
+V2_FEATURE_HEAD_DIMS = (64,)
+"""Head dims where v2 also runs softcap, dense masks and ALiBi (at D = 128 those variants
+spill 32-132 bytes at the 255-register cap of two blocks per SM, so v1 runs them)."""
+
+_V2_SOURCE = "attn_fwd.cu"
+
+
+@dataclass(frozen=True)
+class ForwardLaunch:
+    """What ``fused.py`` launches: the kernel's name expression, its launch shape, and
+    the variant that serves the call (``v2`` falls back to ``v1`` where it declines)."""
+
+    name: str
+    config: TileConfig
+    variant: str
+
+
+def forward_variant() -> str:
+    """The forward variant asked for by ``ARRAYATTN_FWD_VARIANT`` (``v1`` when unset or
+    empty), for A/B timing on a GPU; ``ValueError`` for any other value."""
+    env = os.environ.get("ARRAYATTN_FWD_VARIANT")
+    if not env:
+        return "v1"
+    if env not in FWD_VARIANTS:
+        raise ValueError(f"ARRAYATTN_FWD_VARIANT must be one of {FWD_VARIANTS}, got {env!r}")
+    return env
+
+
+def v2_declines(
+    kind: str,
+    d: int,
+    dropout: bool,
+    scale: float,
+    softcap: bool = False,
+    mask_kind: int = 0,
+    alibi: bool = False,
+) -> str | None:
+    """``None`` when ``aa_fwd_tc2`` serves the call, else why ``aa_fwd_tc`` (v1) does:
+    float32/float64 (CUDA-core kernels), head dims other than :data:`V2_HEAD_DIMS`,
+    dropout (the hash per element does not fit the register budget of 32 rows x 64 keys
+    per warp), softcap / dense masks / ALiBi above D = 64 (:data:`V2_FEATURE_HEAD_DIMS`;
+    they spill), and a scale that is not positive (v2 takes the row max on raw scores and
+    scales it once, which needs ``scale > 0``). Sinks, causal (both alignments), windows,
+    lengths and GQA run on v2 at every v2 head dim."""
+    if kind not in ("float16", "bfloat16"):
+        return f"v2 is a tensor-core kernel (float16/bfloat16), not {kind}"
+    if d not in V2_HEAD_DIMS:
+        return f"v2 is instantiated for head dims {V2_HEAD_DIMS}, not {d}"
+    if dropout:
+        return "v2 has no dropout (register budget); v1 runs it"
+    if (softcap or mask_kind or alibi) and d not in V2_FEATURE_HEAD_DIMS:
+        return f"v2 runs softcap, dense masks and ALiBi at D in {V2_FEATURE_HEAD_DIMS} only"
+    if not scale >= 1e-30:  # > 0, and scale * log2(e) a normal float32 (NaN fails too)
+        return f"v2 needs scale > 0 (row max on raw scores), got {scale}"
+    return None
+
+
+def tile_config_v2(d: int) -> TileConfig:
+    """Launch shape of ``aa_fwd_tc2`` (``AaTc2Cfg`` in ``attn_fwd.cu``): 128 query rows (4
+    warps x 32), 64 keys per tile, Q plus two stages of K and V in shared memory.
+
+    Examples:
+        >>> tile_config_v2(128)
+        TileConfig(block_m=128, block_n=64, threads=128, smem_bytes=104448)
+    """
+    if d not in V2_HEAD_DIMS:
+        raise ValueError(f"v2 head dim must be one of {V2_HEAD_DIMS}, got {d}")
+    bm, bn = 128, 64
+    return TileConfig(bm, bn, 128, (bm + 4 * bn) * (d + 8) * 2)
+
+
+def forward_kernel_name_v2(kind: str, d: int, softcap: bool, mask_kind: int, alibi: bool) -> str:
+    """Name expression of ``aa_fwd_tc2<DT, D, SOFTCAP, MASK, ALIBI>``.
+
+    Examples:
+        >>> forward_kernel_name_v2("float16", 128, False, 0, False)
+        'aa_fwd_tc2<0, 128, false, 0, false>'
+    """
+    if kind not in ("float16", "bfloat16"):
+        raise ValueError(f"v2 kinds are float16 and bfloat16, got {kind!r}")
+    dt = 0 if kind == "float16" else 1
+    return f"aa_fwd_tc2<{dt}, {d}, {str(softcap).lower()}, {mask_kind}, {str(alibi).lower()}>"
+
+
+def forward_launch(
+    kind: str,
+    d: int,
+    softcap: bool,
+    dropout: bool,
+    mask_kind: int,
+    alibi: bool,
+    scale: float,
+    variant: str | None = None,
+) -> ForwardLaunch:
+    """The forward kernel for one call: ``variant`` (default :func:`forward_variant`)
+    ``v2`` runs ``aa_fwd_tc2`` unless :func:`v2_declines`, otherwise exactly what v1 has
+    always run (:func:`tc_row_tiles`, :func:`tile_config`, :func:`forward_kernel_name`).
+
+    Examples:
+        >>> forward_launch("float16", 128, False, False, 0, False, 0.088, "v2").name
+        'aa_fwd_tc2<0, 128, false, 0, false>'
+        >>> forward_launch("float16", 128, False, True, 0, False, 0.088, "v2").variant
+        'v1'
+    """
+    variant = forward_variant() if variant is None else variant
+    if variant not in FWD_VARIANTS:
+        raise ValueError(f"variant must be one of {FWD_VARIANTS}, got {variant!r}")
+    if variant == "v2" and v2_declines(kind, d, dropout, scale, softcap, mask_kind, alibi) is None:
+        name = forward_kernel_name_v2(kind, d, softcap, mask_kind, alibi)
+        return ForwardLaunch(name, tile_config_v2(d), "v2")
+    tc = kind in ("float16", "bfloat16")
+    mt = tc_row_tiles(d, is_heavy(softcap, dropout, mask_kind)) if tc else None
+    name = forward_kernel_name(kind, d, softcap, dropout, mask_kind, mt)
+    return ForwardLaunch(name, tile_config(kind, d, mt), "v1")
+
+
+def row_keys(
+    i: int, q_len: int, offset: int, left: int, right: int, kv_len: int, j0: int
+) -> tuple[int, int]:
+    """``aa_row_keys`` (v2's masked tiles): ``(base, span)`` such that key ``j0 + k``
+    (``j0 + k >= 0``) is allowed for row ``i`` exactly when ``(base + k) mod 2**32 <=
+    span``, i.e. ``i < q_len and allowed(i, j0 + k, ...)``; unsigned 32-bit arithmetic as
+    in the kernel."""
+    diag = i + offset
+    jlo = max(diag - left, 0) if left >= 0 else 0
+    jhi = kv_len - 1
+    if right >= 0 and diag + right < jhi:
+        jhi = diag + right
+    if i >= q_len or jhi < jlo:
+        jlo = jhi = 2**31 - 1
+    mask = 0xFFFFFFFF
+    return (j0 - jlo) & mask, (jhi - jlo) & mask
+
+
+def _v2_variants() -> list[str]:
+    """The v2 instantiations compiled by CI and loaded by ``bench/gpu_variants.py``: both
+    16-bit kinds at every v2 head dim without features, and the feature flags (softcap,
+    bool and float masks, ALiBi) at D = 64 in float16, plus one bfloat16 mix."""
+    out = [
+        forward_kernel_name_v2(kind, d, False, 0, False)
+        for kind in ("float16", "bfloat16")
+        for d in V2_HEAD_DIMS
+    ]
+    for d in V2_FEATURE_HEAD_DIMS:
+        out += [
+            forward_kernel_name_v2("float16", d, True, 0, False),
+            forward_kernel_name_v2("float16", d, False, 1, False),
+            forward_kernel_name_v2("float16", d, False, 2, False),
+            forward_kernel_name_v2("float16", d, False, 0, True),
+            forward_kernel_name_v2("bfloat16", d, True, 1, True),
+        ]
+    return out
+
+
+COMPILE_VARIANTS: dict[str, list[str]] = {_V2_SOURCE: _v2_variants()}
+"""Source file -> the v2 name expressions (``.ci/compile_kernels.py``, ``test_nvrtc.py``,
+``bench/gpu_variants.py``); v1's list is ``.ci/compile_kernels.py``'s own."""
+
+HOT_VARIANTS: list[str] = [
+    forward_kernel_name_v2(kind, d, False, 0, False)
+    for kind in ("float16", "bfloat16")
+    for d in V2_HEAD_DIMS
+]
+"""v2 variants that must not spill (the plain 16-bit kernels; causal, windows and lengths
+are run-time arguments of the same instantiations)."""
