@@ -38,10 +38,10 @@ def _poison(monkeypatch):
 
 @pytest.fixture(autouse=True, params=["v1", "v2"])
 def fwd_variant(request, monkeypatch) -> str:
-    """Every test runs on the default forward kernels (v1) and again with
-    ARRAYATTN_FWD_VARIANT=v2 (aa_fwd_tc2 where tiles.v2_declines lets it run, v1
-    elsewhere). v2 changes only float16/bfloat16 calls, so the v2 run of a float32 or
-    float64 case is skipped."""
+    """Every test runs on the v1 forward kernels and again with ARRAYATTN_FWD_VARIANT=v2
+    (the default: aa_fwd_tc2 where tiles.v2_declines lets it run, v1 elsewhere). v2
+    changes only float16/bfloat16 calls, so the v2 run of a float32 or float64 case is
+    skipped."""
     callspec = getattr(request.node, "callspec", None)
     dtype = callspec.params.get("dtype") if callspec is not None else None
     if request.param == "v2" and dtype is not None and "16" not in str(dtype):

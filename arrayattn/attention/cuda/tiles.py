@@ -196,8 +196,8 @@ def forward_kernel_name(
 
 # -- forward kernel variants (ARRAYATTN_FWD_VARIANT) ---------------------------------------
 FWD_VARIANTS = ("v1", "v2")
-"""Forward kernel variants: ``v1`` (``aa_fwd_tc`` / ``aa_fwd_simt``, the default) and ``v2``
-(``aa_fwd_tc2``: 128 x 64 tiles, one barrier per key tile, the scale folded into the exp2
+"""Forward kernel variants: ``v1`` (``aa_fwd_tc`` / ``aa_fwd_simt``) and ``v2`` (the default,
+``aa_fwd_tc2``: 128 x 64 tiles, one barrier per key tile, the scale folded into the exp2
 FMA, the O rescale skipped when no row max grew; 16-bit kinds only)."""
 
 V2_HEAD_DIMS = (64, 128)
@@ -222,12 +222,19 @@ class ForwardLaunch:
     variant: str
 
 
+DEFAULT_FWD_VARIANT = "v2"
+"""The forward variant when ``ARRAYATTN_FWD_VARIANT`` is unset: ``v2``, since it ran on an
+NVIDIA H200 (2026-11-26, 08:13 UTC) correct in every GPU test and 1.25-1.36x v1's speed
+(float16 forward, D = 64/128, L = 2048/8192: 0.94-1.03x PyTorch's flash backend, v1
+0.69-0.76x). ``v1`` stays selectable (and runs whatever v2 declines)."""
+
+
 def forward_variant() -> str:
-    """The forward variant asked for by ``ARRAYATTN_FWD_VARIANT`` (``v1`` when unset or
-    empty), for A/B timing on a GPU; ``ValueError`` for any other value."""
+    """The forward variant asked for by ``ARRAYATTN_FWD_VARIANT`` (:data:`DEFAULT_FWD_VARIANT`
+    when unset or empty), for A/B timing on a GPU; ``ValueError`` for any other value."""
     env = os.environ.get("ARRAYATTN_FWD_VARIANT")
     if not env:
-        return "v1"
+        return DEFAULT_FWD_VARIANT
     if env not in FWD_VARIANTS:
         raise ValueError(f"ARRAYATTN_FWD_VARIANT must be one of {FWD_VARIANTS}, got {env!r}")
     return env
