@@ -16,7 +16,7 @@
 #   STAGES=env,tiny_gpt,decode bash bench/gpu_first_contact.sh second   # any stages
 #   (also cupy_all: every ops/nn test on CuPy; fwd_mt_ab: forward MT=1 vs MT=2 tiles;
 #   ab_fwd, ab_bwd, ab_decode(_kernels): the v1 and v2 kernel variants one after the other;
-#   host: where a small call's host time goes)
+#   host: where a small call's host time goes; RACE_DTYPES: racecheck's dtypes)
 #
 # Every stage runs under `timeout` with min(its cap, the time left of BUDGET seconds), so a
 # hang costs one stage and the last stages are skipped, never the whole run. Everything is
@@ -198,10 +198,6 @@ stage tests 150 gpu_tests $TESTS
 # bridges: arrayattn.torch on CUDA tensors (DLPack to CuPy, bfloat16 as int16 storage),
 # gradients against PyTorch's SDPA autograd in float16/bfloat16/float32 (issue 31)
 stage bridges 90 gpu_tests tests/bridges/torch/test_function_gpu.py
-# jax_gpu: arrayattn.jax (custom_vjp, our backward) on JAX's default device there, the GPU
-# (float32 matmuls at full precision: JAX uses TF32 on the GPU by default, and the tests
-# compare float32 results to 1e-5)
-stage jax_gpu 90 env JAX_DEFAULT_MATMUL_PRECISION=highest bash -c 'gpu_tests tests/bridges/jax'
 # bridge_bench: bfloat16 and float16 through arrayattn.torch vs PyTorch flash, same tensors
 stage bridge_bench 90 "$py" bench/gpu_torch_bridge.py --out "$out/bench.md"
 stage cupy_tests 120 env ARRAYATTN_BACKENDS=cupy "$py" -m pytest -q -p no:cacheprovider \
@@ -227,8 +223,13 @@ stage long 60 "$py" bench/gpu_bench.py --long --out "$out/bench.md"
 stage host 60 "$py" bench/gpu_host_overhead.py
 sanitize memcheck_plant 30 memcheck --plant-oob --dtypes none # must report 1 error
 sanitize memcheck 90 memcheck
-sanitize racecheck 90 racecheck --small --dtypes float16,float32,bfloat16,float64
+sanitize racecheck 90 racecheck --small --dtypes "${RACE_DTYPES:-float16,float32,bfloat16,float64}"
 sanitize synccheck 40 synccheck --small --dtypes float16,float32
+
+# jax_gpu (last: the sanitizers come first when time is short): arrayattn.jax (custom_vjp, our backward) on JAX's default device there, the GPU
+# (float32 matmuls at full precision: JAX uses TF32 on the GPU by default, and the tests
+# compare float32 results to 1e-5)
+stage jax_gpu 90 env JAX_DEFAULT_MATMUL_PRECISION=highest bash -c 'gpu_tests tests/bridges/jax'
 
 if [ -n "$(ls -A "$CUPY_CACHE_DIR" 2>/dev/null)" ]; then
   tar czf "$out/kernel_cache.tgz" -C "$CUPY_CACHE_DIR" . 2>>"$log"
