@@ -556,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "a", encoding="utf-8") as f:
             env = "".join(
                 f" {k}={os.environ[k]}"
-                for k in ("ARRAYATTN_FWD_TC_MT", "ARRAYATTN_FUSED_DECODE")
+                for k in ("ARRAYATTN_FWD_TC_MT", "ARRAYATTN_FUSED_DECODE", "ARRAYATTN_BWD_VARIANT")
                 if os.environ.get(k)
             )
             f.write(

@@ -5,7 +5,8 @@ cannot be loaded into an uninstrumented Python otherwise):
 ``python _backward_tsan_run.py LIBRARY KIND DETERMINISTIC [VARIANT]``. It runs the race
 case of ``test_backward_emulated.py`` (VARIANT ``v1``, the default) or, for ``v2``, its
 ``v2_race`` case at E = 56, Ev = 64 (several pipelined query steps), and exits 1 when a
-gradient differs from the float64 reference. TSan writes any race it sees to stderr; the calling test reads it there.
+gradient differs from the float64 reference. TSan writes any race it sees to stderr; the
+calling test reads it there.
 """
 
 from __future__ import annotations

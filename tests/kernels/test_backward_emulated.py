@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from arrayattn.attention.cuda.backward import VARIANTS, backward_plan, run_kernels
+from arrayattn.attention.cuda.backward import backward_plan, run_kernels
 
 emu = pytest.importorskip("_backward_emu")
 tsan = pytest.importorskip("_tsan")
@@ -109,12 +109,28 @@ CASES = {
     # block, and across the GQA group's heads), three key blocks of 128 with a ragged tail,
     # bottom-right causal skipping, lengths (a shorter second sequence), dropout, dLSE.
     "v2_pipeline": dict(
-        Hq=4, Hkv=2, L=150, S=290, causal=True, align="bottom_right", q_lens=(150, 77),
-        k_lens=(290, 140), dropout_p=0.2, seed=99, d_lse=True,
+        Hq=4,
+        Hkv=2,
+        L=150,
+        S=290,
+        causal=True,
+        align="bottom_right",
+        q_lens=(150, 77),
+        k_lens=(290, 140),
+        dropout_p=0.2,
+        seed=99,
+        d_lse=True,
     ),
     # v2 under ThreadSanitizer: three query steps per head, two heads, two key blocks.
     "v2_race": dict(
-        B=1, Hq=2, Hkv=1, L=150, S=140, causal=True, align="bottom_right", sinks=True,
+        B=1,
+        Hq=2,
+        Hkv=1,
+        L=150,
+        S=140,
+        causal=True,
+        align="bottom_right",
+        sinks=True,
         alibi=True,
     ),
 }
