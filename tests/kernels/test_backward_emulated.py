@@ -451,3 +451,33 @@ def test_simt_shared_memory_is_the_kernels_own(tmp_path):
     printed = subprocess.run([str(exe)], capture_output=True, text=True).stdout
     got = [int(x) for x in printed.split()]
     assert got == [p.dkdv_smem for p in plans] == [p.dq_smem for p in plans]
+
+
+def test_v2_shared_memory_is_the_kernels_own(tmp_path):
+    """v2's launch sizes (``backward_plan``) equal ``AaBwdMma2Smem`` / ``AaBwdDqMma2Smem``,
+    the layouts the kernels carve their dynamic shared memory into."""
+    import re
+
+    plans = [
+        backward_plan(k, d, d, variant="v2") for k in ("float16", "bfloat16") for d in (64, 128)
+    ]
+    lines = ['#include "backward_emulator.h"', '#include "attn_bwd.cu"', "#include <cstdio>",
+             "int main() {"]  # fmt: skip
+    for plan in plans:
+        hd, nw, bm = (a.strip() for a in re.search(r"<(.*)>", plan.dkdv).group(1).split(",")[1:4])
+        lines.append(f'    std::printf("%d\\n", AaBwdMma2Smem<{hd}, {nw}, {bm}>::value);')
+        hd, nw, bn = (a.strip() for a in re.search(r"<(.*)>", plan.dq).group(1).split(",")[1:4])
+        lines.append(f'    std::printf("%d\\n", AaBwdDqMma2Smem<{hd}, {nw}, {bn}>::value);')
+    lines.append("}")
+    src = tmp_path / "smem2.cpp"
+    src.write_text("\n".join(lines) + "\n")
+    kernels = emu.HERE.parent.parent / "arrayattn" / "attention" / "cuda"
+    exe = tmp_path / "smem2"
+    cmd = [emu.compiler() or "g++", "-std=c++20", "-w", f"-I{emu.HERE}", f"-I{kernels}",
+           f"-I{emu.cuda_include()}", str(src), "-o", str(exe), "-pthread"]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = [
+        int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True).stdout.split()
+    ]
+    assert got == [n for p in plans for n in (p.dkdv_smem, p.dq_smem)]
