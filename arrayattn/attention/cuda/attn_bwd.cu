@@ -1135,7 +1135,7 @@ aa_bwd_dkdv_mma2(AA_BWD_ARGS(typename AaIO<T>::type, float),
             }
 
             if (dq_acc) {
-                __syncthreads();  // dS^T complete (its next writers wait at the next step's barrier)
+                __syncthreads();  // dS^T complete; its next writers wait at the next step's barrier
                 const int rt = warp % RT;
                 const int cs = warp / RT;
                 float acc_q[QCOLS / 8][4];
