@@ -109,3 +109,9 @@ inline void aa_bwd_cp_wait_all() {
         }
     aa_bwd_emu_groups.clear();
 }
+
+// red.global.add.v2.f32 of the v2 kernels: two relaxed float atomics.
+inline void aa_bwd_red2(float* p, float a, float b) {
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+}

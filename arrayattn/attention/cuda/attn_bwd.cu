@@ -884,6 +884,7 @@ aa_bwd_convert(const Acc* __restrict__ src, typename AaIO<T>::type* __restrict__
 //     dQ part adds the one barrier that publishes dS^T. v1: 3 (atomic) / 2 barriers.
 //   * larger query steps where registers allow (BM, backward.py's plan), fewer barriers
 //     and fixed costs per MMA.
+//   * dQ atomics two adjacent floats per instruction (red.global.add.v2.f32, sm_90).
 // The arithmetic per element and every fragment layout are v1's, so results match v1's
 // up to the dQ atomics' order.
 // =======================================================================================
@@ -901,6 +902,17 @@ AA_BWD_DEV void aa_bwd_cp4(void* dst, const void* src) {
 }
 AA_BWD_DEV void aa_bwd_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 AA_BWD_DEV void aa_bwd_cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// p[0] += a, p[1] += b as float atomics (p 8-byte aligned): one REDG.ADD.F32x2 on sm_90,
+// half the atomic instructions of two atomicAdd calls; each element is added exactly as
+// atomicAdd adds it (round to nearest, subnormals flushed, relaxed order).
+AA_BWD_DEV void aa_bwd_red2(float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+#endif
+}
 #endif
 
 // Issue the copies of rows [row0, row0 + ROWS) x [0, HD) of a (nrows, ncols) matrix into
@@ -1161,11 +1173,14 @@ aa_bwd_dkdv_mma2(AA_BWD_ARGS(typename AaIO<T>::type, float),
 #pragma unroll
                 for (int t = 0; t < QCOLS / 8; ++t) {
 #pragma unroll
-                    for (int r = 0; r < 4; ++r) {
+                    for (int r = 0; r < 4; r += 2) {
+                        // (r, r + 1): columns d, d + 1 of one row; d even and E % 8 == 0
+                        // (v2's host condition), so both are inside or both outside.
                         const int i = m0 + rt * 16 + lane / 4 + 8 * (r / 2);
-                        const int d = cs * QCOLS + t * 8 + 2 * (lane % 4) + (r % 2);
+                        const int d = cs * QCOLS + t * 8 + 2 * (lane % 4);
                         if (i < seq.q_len && d < E)
-                            atomicAdd(dq_head + (long long)i * E + d, acc_q[t][r]);
+                            aa_bwd_red2(dq_head + (long long)i * E + d, acc_q[t][r],
+                                        acc_q[t][r + 1]);
                     }
                 }
             }
