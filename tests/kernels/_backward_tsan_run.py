@@ -2,9 +2,11 @@
 
 Run as a script in a process with ``libtsan`` preloaded (a TSan-instrumented library
 cannot be loaded into an uninstrumented Python otherwise):
-``python _backward_tsan_run.py LIBRARY KIND DETERMINISTIC``. It runs the race case of
-``test_backward_emulated.py`` and exits 1 when a gradient differs from the float64
-reference. TSan writes any race it sees to stderr; the calling test reads it there.
+``python _backward_tsan_run.py LIBRARY KIND DETERMINISTIC [VARIANT]``. It runs the race
+case of ``test_backward_emulated.py`` (VARIANT ``v1``, the default) or, for ``v2``, its
+``v2_race`` case at E = 56, Ev = 64 (several pipelined query steps), and exits 1 when a
+gradient differs from the float64 reference. TSan writes any race it sees to stderr; the
+calling test reads it there.
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ import test_backward_emulated as bwd  # noqa: E402
 
 def main() -> int:
     lib, kind, deterministic = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
-    got, ref, _ = bwd.run_case(emu.load(lib), kind, "race", deterministic=deterministic)
+    variant = sys.argv[4] if len(sys.argv) > 4 else "v1"
+    if variant == "v2":
+        got, ref, _ = bwd.run_case(emu.load(lib), kind, "v2_race", deterministic=deterministic,
+                                   E=56, Ev=64, variant="v2")  # fmt: skip
+    else:
+        got, ref, _ = bwd.run_case(emu.load(lib), kind, "race", deterministic=deterministic)
     errors = [bwd.rel(g, r) for g, r in zip(got, ref, strict=True)]
     print("relative errors dq, dk, dv:", errors)
     return 0 if max(errors) <= bwd.TOL[kind] else 1

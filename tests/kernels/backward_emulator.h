@@ -9,7 +9,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "emulator_warp.h"
 
@@ -61,4 +64,54 @@ template <> struct AaMma<AaBF16> {
 template <typename F>
 void aa_emu_launch(AaEmuDim3 grid, int nthreads, size_t smem_bytes, F call) {
     aa_emu_run_blocks(grid, nthreads, smem_bytes, call);
+}
+
+// cp.async of the v2 kernels (aa_bwd_cp16 / aa_bwd_cp4 / commit / wait_group 0), emulated
+// as forward_emulator.h does it: copies queue per thread, commit closes a group and
+// wait_group 0 performs this thread's groups, so data read before its wait and barrier is
+// stale (0xFF: NaN) and shows up. AA_EMU_EAGER=1: copies land at issue instead, which
+// exposes a copy into a buffer other threads still read.
+struct AaBwdCopy {
+    unsigned char* dst;
+    const unsigned char* src;  // nullptr: zero-fill
+    int bytes;
+};
+inline thread_local std::vector<std::vector<AaBwdCopy>> aa_bwd_emu_groups;
+inline thread_local std::vector<AaBwdCopy> aa_bwd_emu_open;
+inline const bool aa_bwd_emu_eager = std::getenv("AA_EMU_EAGER") != nullptr;
+
+inline void aa_bwd_emu_copy(void* dst, const void* src, int bytes) {
+    if (reinterpret_cast<std::uintptr_t>(dst) % bytes) std::abort();  // size-aligned dst
+    auto* d = static_cast<unsigned char*>(dst);
+    const auto* s = static_cast<const unsigned char*>(src);
+    if (aa_bwd_emu_eager) {
+        if (s) std::memcpy(d, s, bytes);
+        else std::memset(d, 0, bytes);
+        return;
+    }
+    aa_bwd_emu_open.push_back({d, s, bytes});
+}
+inline void aa_bwd_cp16(void* dst, const void* src, bool valid) {
+    if (valid && reinterpret_cast<std::uintptr_t>(src) % 16) std::abort();  // aligned rows
+    aa_bwd_emu_copy(dst, valid ? src : nullptr, 16);
+}
+inline void aa_bwd_cp4(void* dst, const void* src) { aa_bwd_emu_copy(dst, src, 4); }
+inline void aa_bwd_cp_commit() {
+    aa_bwd_emu_groups.push_back(std::move(aa_bwd_emu_open));
+    aa_bwd_emu_open.clear();
+}
+inline void aa_bwd_cp_wait_all() {
+    if (!aa_bwd_emu_open.empty()) std::abort();  // an uncommitted copy would never land
+    for (const auto& grp : aa_bwd_emu_groups)
+        for (const AaBwdCopy& c : grp) {
+            if (c.src) std::memcpy(c.dst, c.src, c.bytes);
+            else std::memset(c.dst, 0, c.bytes);
+        }
+    aa_bwd_emu_groups.clear();
+}
+
+// red.global.add.v2.f32 of the v2 kernels: two relaxed float atomics.
+inline void aa_bwd_red2(float* p, float a, float b) {
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
 }

@@ -55,13 +55,21 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
+def _names(plan) -> list[str]:
+    return [n for n in (plan.preprocess, plan.dkdv, plan.dq, plan.convert) if n]
+
+
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
     names = []
     for kind in ("float64", "float32", "float16", "bfloat16"):
         for d in (32, 64):
-            plan = backward_plan(kind, d, d)
-            names += [n for n in (plan.preprocess, plan.dkdv, plan.dq, plan.convert) if n]
+            names += _names(backward_plan(kind, d, d, variant="v1"))
+    # v2 (ARRAYATTN_BWD_VARIANT=v2): its own kernels at head dims 64 and 128.
+    for kind in ("float16", "bfloat16"):
+        for d in (64, 128):
+            names += _names(backward_plan(kind, d, d, variant="v2"))
+    names += _names(backward_plan("bfloat16", 128, 128, variant="v1"))  # v1 == v2 bits
     return emu.build(sorted(set(names)), tmp_path_factory.mktemp("bwd_emu"))
 
 
@@ -97,10 +105,40 @@ CASES = {
     "race": dict(
         B=1, Hq=2, Hkv=1, L=37, S=70, causal=True, align="bottom_right", sinks=True, alibi=True
     ),
+    # v2's pipeline: several 64-row query steps per key block (the prefetch of the next
+    # block, and across the GQA group's heads), three key blocks of 128 with a ragged tail,
+    # bottom-right causal skipping, lengths (a shorter second sequence), dropout, dLSE.
+    "v2_pipeline": dict(
+        Hq=4,
+        Hkv=2,
+        L=150,
+        S=290,
+        causal=True,
+        align="bottom_right",
+        q_lens=(150, 77),
+        k_lens=(290, 140),
+        dropout_p=0.2,
+        seed=99,
+        d_lse=True,
+    ),
+    # v2 under ThreadSanitizer: three query steps per head, two heads, two key blocks.
+    "v2_race": dict(
+        B=1,
+        Hq=2,
+        Hkv=1,
+        L=150,
+        S=140,
+        causal=True,
+        align="bottom_right",
+        sinks=True,
+        alibi=True,
+    ),
 }
+V2_ONLY = ("v2_pipeline", "v2_race")
+"""Cases sized for v2's tiles (128 keys, 64-row steps); the v1 tests skip them (slow)."""
 
 
-def run_case(library, kind, case, *, deterministic, seed=0, E=24, Ev=32):
+def run_case(library, kind, case, *, deterministic, seed=0, E=24, Ev=32, variant="v1"):
     c = dict(
         B=2,
         Hq=2,
@@ -150,7 +188,7 @@ def run_case(library, kind, case, *, deterministic, seed=0, E=24, Ev=32):
                 seed=c["seed"], mask=mask, sinks=sinks, alibi=alibi)  # fmt: skip
     out, lse, dq_ref, dk_ref, dv_ref = reference(q, k, v, d_out, d_lse, **opts)
 
-    plan = backward_plan(kind, E, Ev)
+    plan = backward_plan(kind, E, Ev, variant=variant)
     right = c["window"][1]
     if c["causal"]:
         right = 0 if right < 0 else min(right, 0)
@@ -186,7 +224,10 @@ def run_case(library, kind, case, *, deterministic, seed=0, E=24, Ev=32):
 TOL = {"float64": 1e-12, "float32": 2e-6, "float16": 2e-2, "bfloat16": 5e-2}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+V1_CASES = [c for c in CASES if c not in V2_ONLY]
+
+
+@pytest.mark.parametrize("case", V1_CASES)
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("kind", ["float64", "float32"])
 def test_simt_kernels_match_reference(library, kind, case, deterministic):
@@ -196,7 +237,7 @@ def test_simt_kernels_match_reference(library, kind, case, deterministic):
         assert rel(g, r) <= TOL[kind], f"{name}: relative error {rel(g, r):.3g}"
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", V1_CASES)
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("kind", ["float16", "bfloat16"])
 def test_tensor_core_kernels_match_reference(library, kind, case, deterministic):
@@ -205,6 +246,59 @@ def test_tensor_core_kernels_match_reference(library, kind, case, deterministic)
     for name, g, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
         assert np.all(np.isfinite(g)), f"{name}: unwritten or non-finite elements"
         assert rel(g, r) <= TOL[kind], f"{name}: relative error {rel(g, r):.3g}"
+
+
+# -- variant v2 (aa_bwd_dkdv_mma2 / aa_bwd_dq_mma2) ----------------------------------------------
+# The same option matrix as v1's, at E = 56, Ev = 64 (padded head dim 64: zero-padded
+# columns, E != Ev) and at E = 120, Ev = 128 (head dim 128: 16-row register sub-steps).
+V2_DIMS = {64: (56, 64), 128: (120, 128)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+def test_v2_kernels_match_reference(library, kind, case, deterministic):
+    E, Ev = V2_DIMS[64]
+    got, ref, launch = run_case(
+        library, kind, case, deterministic=deterministic, E=E, Ev=Ev, variant="v2"
+    )
+    names = [name for name, *_ in launch.launches]
+    assert any("aa_bwd_dkdv_mma2<" in n for n in names), names
+    assert deterministic == any("aa_bwd_dq_mma2<" in n for n in names), names
+    for name, g, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
+        assert np.all(np.isfinite(g)), f"{name}: unwritten or non-finite elements"
+        assert rel(g, r) <= TOL[kind], f"{name}: relative error {rel(g, r):.3g}"
+
+
+@pytest.mark.parametrize(
+    "case", ["plain", "v2_pipeline", "bool_mask_gqa", "window_softcap", "sinks_alibi"]
+)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_v2_head_dim_128_matches_reference(library, case, deterministic):
+    E, Ev = V2_DIMS[128]
+    got, ref, launch = run_case(
+        library, "float16", case, deterministic=deterministic, E=E, Ev=Ev, variant="v2"
+    )
+    assert any("aa_bwd_dkdv_mma2<AaF16, 128," in n for n, *_ in launch.launches)
+    for name, g, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
+        assert np.all(np.isfinite(g)), f"{name}: unwritten or non-finite elements"
+        assert rel(g, r) <= TOL["float16"], f"{name}: relative error {rel(g, r):.3g}"
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("case", ["v2_pipeline", "bool_mask_gqa"])
+def test_v2_is_bitwise_v1_in_deterministic_mode(library, case, d):
+    """v2 changes when data arrives, not the arithmetic: every MMA accumulates in v1's
+    order (query rows in 16-row chunks, keys by block), so the deterministic gradients of
+    both variants are the same bits."""
+    E, Ev = V2_DIMS[d]
+    kw = dict(deterministic=True, E=E, Ev=Ev)
+    v1, _, l1 = run_case(library, "bfloat16", case, variant="v1", **kw)
+    v2, _, l2 = run_case(library, "bfloat16", case, variant="v2", **kw)
+    assert not any("mma2" in n for n, *_ in l1.launches)
+    assert any("mma2" in n for n, *_ in l2.launches)
+    for a, b in zip(v1, v2, strict=True):
+        assert np.array_equal(a, b)
 
 
 def test_head_dim_64_vector_loads(library):
@@ -226,20 +320,34 @@ def test_deterministic_mode_is_bit_identical(library):
 # that preloads libtsan. Nothing but the kernel's own barriers may order its threads: the
 # barriers are emulator_barrier.h's, and the dQ atomics relaxed atomic_ref adds, as CUDA's
 # atomicAdd is (seq_cst adds would order the threads and hide races).
-def _plan_names(kind: str) -> list[str]:
-    plan = backward_plan(kind, 32, 32)
-    return [n for n in (plan.preprocess, plan.dkdv, plan.dq, plan.convert) if n]
+def _plan_names(kind: str, variant: str = "v1") -> list[str]:
+    """The instantiations of the race case: v1 at head dim 32, v2 at 64 (its smallest)."""
+    d = 32 if variant == "v1" else 64
+    return _names(backward_plan(kind, d, d, variant=variant))
 
 
 def _run_under_tsan(
-    lib: Path, kind: str, deterministic: bool, halt: bool = False
+    lib: Path,
+    kind: str,
+    deterministic: bool,
+    halt: bool = False,
+    variant: str = "v1",
+    eager: bool = False,
 ) -> subprocess.CompletedProcess:
+    """``_backward_tsan_run.py`` in a child with libtsan preloaded; ``eager``: cp.async
+    copies land at issue (AA_EMU_EAGER=1), exposing a prefetch into a buffer still read."""
     env = dict(os.environ, LD_PRELOAD=tsan.libtsan(emu.compiler() or "g++") or "")
+    env.pop("AA_EMU_EAGER", None)
+    # The float64 reference's matrix products at the v2 race case's sizes would start
+    # OpenBLAS threads, whose own unsynchronised writes TSan reports (not the kernels').
+    env["OPENBLAS_NUM_THREADS"] = env["OMP_NUM_THREADS"] = "1"
+    if eager:
+        env["AA_EMU_EAGER"] = "1"
     if halt:
         env["TSAN_OPTIONS"] = tsan.HALT_ON_RACE
     script = Path(__file__).resolve().parent / "_backward_tsan_run.py"
     return subprocess.run(
-        [sys.executable, str(script), str(lib), kind, str(int(deterministic))],
+        [sys.executable, str(script), str(lib), kind, str(int(deterministic)), variant],
         capture_output=True,
         text=True,
         env=env,
@@ -259,38 +367,53 @@ def tsan_work(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize(
-    "kind,deterministic", [("float16", False), ("float16", True), ("float32", True)]
+    "kind,deterministic,variant,eager",
+    [
+        ("float16", False, "v1", False),
+        ("float16", True, "v1", False),
+        ("float32", True, "v1", False),
+        ("float16", False, "v2", False),
+        ("float16", True, "v2", False),
+        ("bfloat16", False, "v2", True),
+        ("bfloat16", True, "v2", True),
+    ],
 )
-def test_backward_kernels_have_no_data_race(tsan_work: Path, kind: str, deterministic: bool):
-    lib = emu.compile_library(_plan_names(kind), tsan_work, tsan.FLAGS)
-    res = _run_under_tsan(lib, kind, deterministic)
+def test_backward_kernels_have_no_data_race(
+    tsan_work: Path, kind: str, deterministic: bool, variant: str, eager: bool
+):
+    lib = emu.compile_library(_plan_names(kind, variant), tsan_work, tsan.FLAGS)
+    res = _run_under_tsan(lib, kind, deterministic, variant=variant, eager=eager)
     assert tsan.REPORT not in res.stderr, res.stderr[:6000]
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
 
 
-def _barrier_sites() -> list[tuple[int, str, bool]]:
-    """(occurrence, kind, deterministic) that runs each ``__syncthreads();`` of attn_bwd.cu:
-    float32 for the CUDA-core kernels, float16 for the tensor-core ones; the atomic dQ
-    schedule for the barrier of dK/dV's ``if (dq_acc)`` part, else the deterministic one
-    (there the atomic part's own barrier would also cover the next step's reloads)."""
+def _barrier_sites() -> list[tuple[int, str, bool, str]]:
+    """(occurrence, kind, deterministic, variant) that runs each ``__syncthreads();`` of
+    attn_bwd.cu: float32 for the CUDA-core kernels, float16 for the tensor-core ones, v2's
+    race case for v2's kernels; the atomic dQ schedule for the barrier of dK/dV's
+    ``if (dq_acc)`` part, else the deterministic one (there the atomic part's own barrier
+    would also cover the next step's reloads)."""
     src = (tsan.KERNELS / "attn_bwd.cu").read_text()
     tc_start = src.index("aa_bwd_dkdv_mma(")
+    v2_start = src.index("aa_bwd_dkdv_mma2(")
     sites = []
     for i, pos in enumerate(tsan.barrier_offsets("attn_bwd.cu")):
         atomic_only = src[:pos].rstrip().endswith("if (dq_acc) {")
-        sites.append((i, "float16" if pos > tc_start else "float32", not atomic_only))
+        kind = "float16" if pos > tc_start else "float32"
+        sites.append((i, kind, not atomic_only, "v2" if pos > v2_start else "v1"))
     return sites
 
 
-@pytest.mark.parametrize("site,kind,deterministic", _barrier_sites())
+@pytest.mark.parametrize("site,kind,deterministic,variant", _barrier_sites())
 def test_race_check_catches_every_missing_barrier(
-    tsan_work: Path, tmp_path: Path, site: int, kind: str, deterministic: bool
+    tsan_work: Path, tmp_path: Path, site: int, kind: str, deterministic: bool, variant: str
 ):
     """Deleting any one ``__syncthreads()`` of the backward kernels makes the race check
     fail."""
     kdir = tsan.kernels_without_barrier("attn_bwd.cu", site, tmp_path / "kernels")
-    lib = emu.compile_library(_plan_names(kind), tmp_path, tsan.FLAGS, kernels_dir=kdir)
-    res = _run_under_tsan(lib, kind, deterministic, halt=True)
+    names = _plan_names(kind, variant)
+    lib = emu.compile_library(names, tmp_path, tsan.FLAGS, kernels_dir=kdir)
+    res = _run_under_tsan(lib, kind, deterministic, halt=True, variant=variant)
     assert tsan.REPORT in res.stderr, (
         f"barrier {site} removed ({kind} kernels), yet no race was reported"
     )
@@ -328,3 +451,33 @@ def test_simt_shared_memory_is_the_kernels_own(tmp_path):
     printed = subprocess.run([str(exe)], capture_output=True, text=True).stdout
     got = [int(x) for x in printed.split()]
     assert got == [p.dkdv_smem for p in plans] == [p.dq_smem for p in plans]
+
+
+def test_v2_shared_memory_is_the_kernels_own(tmp_path):
+    """v2's launch sizes (``backward_plan``) equal ``AaBwdMma2Smem`` / ``AaBwdDqMma2Smem``,
+    the layouts the kernels carve their dynamic shared memory into."""
+    import re
+
+    plans = [
+        backward_plan(k, d, d, variant="v2") for k in ("float16", "bfloat16") for d in (64, 128)
+    ]
+    lines = ['#include "backward_emulator.h"', '#include "attn_bwd.cu"', "#include <cstdio>",
+             "int main() {"]  # fmt: skip
+    for plan in plans:
+        hd, nw, bm = (a.strip() for a in re.search(r"<(.*)>", plan.dkdv).group(1).split(",")[1:4])
+        lines.append(f'    std::printf("%d\\n", AaBwdMma2Smem<{hd}, {nw}, {bm}>::value);')
+        hd, nw, bn = (a.strip() for a in re.search(r"<(.*)>", plan.dq).group(1).split(",")[1:4])
+        lines.append(f'    std::printf("%d\\n", AaBwdDqMma2Smem<{hd}, {nw}, {bn}>::value);')
+    lines.append("}")
+    src = tmp_path / "smem2.cpp"
+    src.write_text("\n".join(lines) + "\n")
+    kernels = emu.HERE.parent.parent / "arrayattn" / "attention" / "cuda"
+    exe = tmp_path / "smem2"
+    cmd = [emu.compiler() or "g++", "-std=c++20", "-w", f"-I{emu.HERE}", f"-I{kernels}",
+           f"-I{emu.cuda_include()}", str(src), "-o", str(exe), "-pthread"]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = [
+        int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True).stdout.split()
+    ]
+    assert got == [n for p in plans for n in (p.dkdv_smem, p.dq_smem)]

@@ -58,6 +58,29 @@ def spy(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def launched(monkeypatch):
+    """The kernel names the backward launches (to tell which variant ran)."""
+    names: list[str] = []
+    real = bwd._cupy_launch
+
+    def wrapped(name, *args):
+        names.append(name)
+        return real(name, *args)
+
+    monkeypatch.setattr(bwd, "_cupy_launch", wrapped)
+    return names
+
+
+def _use_variant(monkeypatch, variant: str) -> None:
+    """Select the backward kernels as a user would: ``ARRAYATTN_BWD_VARIANT``."""
+    monkeypatch.setenv("ARRAYATTN_BWD_VARIANT", variant)
+
+
+def _ran_v2(names: list[str]) -> bool:
+    return any("_mma2<" in n for n in names)
+
+
 def _torch_error(qh, kh, vh, doh, ref, kind, opts) -> float | None:
     """PyTorch SDPA's own gradient error (same inputs, float16/bfloat16, CUDA), or None."""
     try:
@@ -169,12 +192,16 @@ def test_gradients_float32_float64(spy, kind, case, deterministic):
         assert rel(g, r) <= tol, f"{name}: {rel(g, r):.3g}"
 
 
+@pytest.mark.parametrize("variant", bwd.VARIANTS)
 @pytest.mark.parametrize("E", [64, 128, 80])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("kind", [k for k in ("float16", "bfloat16") if k in _CP_DTYPES])
-def test_gradients_16bit(spy, kind, case, E):
+def test_gradients_16bit(spy, launched, monkeypatch, kind, case, E, variant):
+    _use_variant(monkeypatch, variant)
     got, ref, inputs, c = _run(kind, case, E=E, Ev=E)
     assert spy, "the backward kernels did not run"
+    # E = 80 runs in D = 96, which v2 leaves to v1's kernels.
+    assert _ran_v2(launched) == (variant == "v2" and E != 80), launched
     bound = {"float16": 2e-2, "bfloat16": 5e-2}[kind]
     if case in ("plain", "causal_gqa"):
         torch_err = _torch_error(*inputs, ref[0], kind, c)
@@ -185,8 +212,10 @@ def test_gradients_16bit(spy, kind, case, E):
         assert rel(g, r) <= bound, f"{name}: {rel(g, r):.3g} > {bound:.3g}"
 
 
+@pytest.mark.parametrize("variant", bwd.VARIANTS)
 @pytest.mark.parametrize("kind", [k for k in ("float16", "float32") if k in _CP_DTYPES])
-def test_deterministic_mode_bit_identical_10_runs(kind):
+def test_deterministic_mode_bit_identical_10_runs(monkeypatch, kind, variant):
+    _use_variant(monkeypatch, variant)  # float32 runs v1's kernels under either
     first = None
     for _ in range(10):
         got, _, _, _ = _run(kind, "causal_gqa", deterministic=True)
@@ -212,11 +241,20 @@ class _CupyPoison:
         return cupy.zeros(shape, dtype=dtype)
 
 
+@pytest.mark.parametrize("variant", bwd.VARIANTS)
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize(
-    "kind,E,L,S", [("float16", 128, 1000, 777), ("float32", 96, 129, 1031), ("float64", 40, 65, 3)]
+    "kind,E,L,S",
+    [
+        ("float16", 128, 1000, 777),
+        ("bfloat16", 64, 1000, 777),
+        ("float32", 96, 129, 1031),
+        ("float64", 40, 65, 3),
+    ],
 )
-def test_poisoned_outputs_are_all_written(kind, E, L, S, deterministic):
+def test_poisoned_outputs_are_all_written(kind, E, L, S, deterministic, variant):
+    if kind not in _CP_DTYPES:
+        pytest.skip(f"this CuPy has no {kind}")
     rng = np.random.default_rng(1)
     B, Hq, Hkv = 2, 4, 2
     dt = _CP_DTYPES[kind]
@@ -228,7 +266,7 @@ def test_poisoned_outputs_are_all_written(kind, E, L, S, deterministic):
         return_lse=True, implementation="fused",
     )  # fmt: skip
     d_out = cupy.asarray(rng.standard_normal(out.shape)).astype(dt)
-    plan = bwd.backward_plan(kind, E, E)
+    plan = bwd.backward_plan(kind, E, E, variant=variant)
     dq, dk, dv = bwd.run_kernels(
         _CupyPoison, bwd._cupy_launch, plan, q, k, v, out, d_out, lse, None,
         scale=1.0 / math.sqrt(E), bottom_right=True, window=(-1, 0),
@@ -237,3 +275,24 @@ def test_poisoned_outputs_are_all_written(kind, E, L, S, deterministic):
     cupy.cuda.runtime.deviceSynchronize()
     for x in (dq, dk, dv):
         assert bool(cupy.isfinite(x.astype(cupy.float32)).all())
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("E", [64, 128])
+def test_v2_agrees_with_v1(monkeypatch, launched, E, deterministic):
+    """The two variants on one problem (float16, causal GQA, ragged lengths): deterministic
+    gradients are the same bits (same MMAs in the same order); with dQ atomics, dK/dV are
+    and dQ agrees to float32 rounding of the atomics' order."""
+    got = {}
+    for variant in bwd.VARIANTS:
+        _use_variant(monkeypatch, variant)
+        launched.clear()
+        got[variant] = _run("float16", "bottom_right_ragged", E=E, Ev=E,
+                            deterministic=deterministic)[0]  # fmt: skip
+        assert _ran_v2(launched) == (variant == "v2"), launched
+    (dq1, dk1, dv1), (dq2, dk2, dv2) = got["v1"], got["v2"]
+    assert np.array_equal(dk1, dk2) and np.array_equal(dv1, dv2)
+    if deterministic:
+        assert np.array_equal(dq1, dq2)
+    else:
+        assert rel(dq2, dq1) <= 2e-3

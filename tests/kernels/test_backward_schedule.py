@@ -305,3 +305,77 @@ def test_model_matches_composed_backward(case, deterministic):
                          tiles=(16, 8, 8, 16), deterministic=deterministic)  # fmt: skip
     for name, g, w in zip(("dq", "dk", "dv"), got, want[:3], strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+# -- the kernel variant switch (ARRAYATTN_BWD_VARIANT) --------------------------------------
+def test_variant_switch_reads_the_environment(monkeypatch):
+    from arrayattn.attention.cuda import backward as bwd
+
+    monkeypatch.delenv("ARRAYATTN_BWD_VARIANT", raising=False)
+    assert bwd.bwd_variant() == "v1"
+    assert bwd.backward_plan("float16", 128, 128).variant == "v1"
+    for raw, want in (("", "v1"), ("v1", "v1"), ("v2", "v2"), (" V2 ", "v2")):
+        monkeypatch.setenv("ARRAYATTN_BWD_VARIANT", raw)
+        assert bwd.bwd_variant() == want
+        assert bwd.backward_plan("bfloat16", 64, 64).variant == want
+    monkeypatch.setenv("ARRAYATTN_BWD_VARIANT", "v3")
+    with pytest.raises(ValueError, match="ARRAYATTN_BWD_VARIANT must be one of"):
+        bwd.bwd_variant()
+    with pytest.raises(ValueError, match="ARRAYATTN_BWD_VARIANT"):
+        bwd.backward_plan("float16", 64, 64)
+    with pytest.raises(ValueError, match="variant must be one of"):
+        bwd.backward_plan("float16", 64, 64, variant="fast")
+
+
+@pytest.mark.parametrize(
+    "kind,e,ev,want",
+    [
+        ("float16", 128, 128, "v2"),
+        ("bfloat16", 64, 64, "v2"),
+        ("float16", 120, 112, "v2"),  # padded into D = 128
+        ("float16", 80, 80, "v1"),  # D = 96
+        ("float16", 56, 64, "v2"),  # E != Ev
+        ("float16", 60, 64, "v1"),  # E not a multiple of 8: no 16-byte copies
+        ("float16", 32, 32, "v1"),  # head dims without v2 kernels
+        ("float16", 96, 96, "v1"),
+        ("bfloat16", 256, 256, "v1"),
+        ("float32", 64, 64, "v1"),  # CUDA-core kinds
+        ("float64", 128, 128, "v1"),
+    ],
+)
+def test_v2_plan_and_what_it_leaves_to_v1(kind, e, ev, want):
+    from arrayattn.attention.cuda import backward as bwd
+
+    plan = bwd.backward_plan(kind, e, ev, variant="v2")
+    assert plan.variant == want
+    if want == "v1":  # exactly v1's plan, nothing of v2's
+        assert plan == bwd.backward_plan(kind, e, ev, variant="v1")
+    else:
+        assert "_mma2<" in plan.dkdv and "_mma2<" in plan.dq
+        assert plan.dkdv in bwd.COMPILE_VARIANTS["attn_bwd.cu"]
+        assert plan.dq in bwd.COMPILE_VARIANTS["attn_bwd.cu"]
+        assert plan.dkdv in bwd.HOT_VARIANTS and plan.dq in bwd.HOT_VARIANTS
+        assert plan.dkdv_smem <= 227 * 1024 and plan.dq_smem <= 227 * 1024
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_v2_tiles_cover_allowed_pairs(d):
+    """v2's tiles (128 keys per block, 64-row query steps) through the same schedule
+    mirrors, at sizes where several of each meet causal/window/length edges."""
+    from arrayattn.attention.cuda import backward as bwd
+
+    plan = bwd.backward_plan("float16", d, d, variant="v2")
+    bn, bm = plan.dkdv_block_n, plan.dkdv_block_m
+    rng = np.random.default_rng(d)
+    for _ in range(60):
+        L, S = (int(x) for x in rng.integers(1, 400, 2))
+        q_len, kv_len = int(rng.integers(0, L + 1)), int(rng.integers(0, S + 1))
+        left, right = (int(x) for x in rng.integers(-1, 150, 2))
+        offset = kv_len - q_len if rng.random() < 0.5 else 0
+        ref = structure_mask(L, S, q_len, kv_len, offset, left, right)
+        for c0 in range(0, S, bn):
+            visited = np.zeros(L + bm, dtype=bool)
+            for m0, _ in dkdv_schedule(c0, bn, bm, q_len, kv_len, offset, left, right):
+                visited[m0 : m0 + bm] = True
+            needed = ref[:, c0 : c0 + bn].any(axis=1)
+            assert not (needed & ~visited[:L]).any()

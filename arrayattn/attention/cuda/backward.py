@@ -22,6 +22,15 @@ score matrices, else composed) from the same saved LSE. Three steps on the GPU:
 :func:`deterministic`, or the environment variable ``ARRAYATTN_DETERMINISTIC=1`` at import.
 :func:`backward` also takes ``deterministic=`` per call.
 
+**Kernel variants** (``ARRAYATTN_BWD_VARIANT``, read at each call by :func:`bwd_variant`):
+``v1`` (the default) the kernels described above; ``v2`` the same tensor-core kernels with
+a cp.async pipeline (``aa_bwd_dkdv_mma2`` / ``aa_bwd_dq_mma2``: Q/dO/LSE/D, or K/V for the
+deterministic dQ, double-buffered, one barrier per step opening it, 64-row query steps run
+as register sub-steps). v2 covers float16/bfloat16 at the padded head dims 64 and 128 with
+``E`` and ``Ev`` multiples of 8 (16-byte copies), every option included; anything else
+(float32/float64, head dims 32/96/256, ``E``/``Ev`` not multiples of 8) runs v1's
+kernels under ``v2`` too (:func:`backward_plan` says which, ``BackwardPlan.variant``).
+
 **What runs in the kernels** (:func:`declines` gives the reason for anything else): CuPy
 arrays of float16 and bfloat16 (tensor cores, ``mma.sync`` m16n8k16, head dims up to 128;
 CUDA cores with float32 accumulators at 256), float32 and float64 (CUDA cores), head dims
@@ -74,6 +83,8 @@ __all__ = [
     "deterministic",
     "COMPILE_VARIANTS",
     "HOT_VARIANTS",
+    "VARIANTS",
+    "bwd_variant",
 ]
 
 SOURCE = "attn_bwd.cu"
@@ -89,6 +100,9 @@ _KIND_TYPES = {
 _GRID_YZ_MAX = 65535
 _SIMT_HEAD_DIMS = (32, 64, 128, 256)
 _MMA_HEAD_DIMS = (32, 64, 96, 128)
+VARIANTS = ("v1", "v2")
+"""The backward kernel variants ``ARRAYATTN_BWD_VARIANT`` selects (``v1`` the default)."""
+_V2_HEAD_DIMS = (64, 128)
 
 _DETERMINISTIC: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "arrayattn_deterministic",
@@ -137,6 +151,22 @@ def deterministic(flag: bool = True) -> Iterator[None]:
 
 
 # -- kernel variants and launch shapes ----------------------------------------------------------
+def bwd_variant() -> str:
+    """The backward kernel variant ``ARRAYATTN_BWD_VARIANT`` names (``"v1"`` when unset or
+    empty), read at each call so a benchmark can switch it between runs.
+
+    Raises ``ValueError`` for any other value.
+
+    Examples:
+        >>> bwd_variant() in VARIANTS  # "v1" unless the environment names "v2"
+        True
+    """
+    raw = os.environ.get("ARRAYATTN_BWD_VARIANT", "").strip().lower() or "v1"
+    if raw not in VARIANTS:
+        raise ValueError(f"ARRAYATTN_BWD_VARIANT must be one of {VARIANTS}, got {raw!r}")
+    return raw
+
+
 @dataclass(frozen=True)
 class BackwardPlan:
     """The kernels and launch shapes of one backward: which instantiations run, their
@@ -157,6 +187,7 @@ class BackwardPlan:
     dq_block_n: int  # keys per step of that block
     dq_smem: int
     convert: str | None  # dQ accumulator -> query dtype (None: float32/float64 in place)
+    variant: str = "v1"  # the kernels' variant (v2 asked for may give a v1 plan)
 
 
 def _bucket(need: int, dims: Sequence[int]) -> int | None:
@@ -175,22 +206,67 @@ def _simt_tiles(kind: str, d: int) -> tuple[int, int]:
     return (64, 32) if d <= 128 else (32, 32)
 
 
-def backward_plan(kind: str, e: int, ev: int) -> BackwardPlan | None:
+def _plan_v2(kind: str, d: int) -> BackwardPlan:
+    """The v2 tensor-core plan (``aa_bwd_dkdv_mma2`` / ``aa_bwd_dq_mma2``) at padded head
+    dim ``d`` (64 or 128)."""
+    t, _ = _KIND_TYPES[kind]
+    # dK/dV: 8 warps, 128 keys, query steps of 64 rows (one pipeline stage and barrier)
+    # run as register sub-steps of BMS rows: D = 128 holds 16 rows at a time next to its
+    # 128 accumulator registers (254 registers, no spill), D = 64 all 64 (252).
+    nw, bm, bms = {64: (8, 64, 64), 128: (8, 64, 16)}[d]
+    qnw, qbn = {64: (4, 64), 128: (4, 32)}[d]  # deterministic dQ: v1's tiles
+    bn, qbm, pitch = 16 * nw, 16 * qnw, d + 8
+    return BackwardPlan(
+        kind=kind,
+        head_dim=d,
+        tensor_cores=True,
+        preprocess=f"aa_bwd_preprocess<{t}, float>",
+        dkdv=f"aa_bwd_dkdv_mma2<{t}, {d}, {nw}, {bm}, {bms}>",
+        dkdv_threads=32 * nw,
+        dkdv_block_n=bn,
+        dkdv_block_m=bm,
+        # K, V; two stages of Q, dO; dS^T; two stages of lse2, delta (AaBwdMma2Smem)
+        dkdv_smem=(2 * bn * pitch + 4 * bm * pitch + bn * (bm + 8)) * 2 + 4 * bm * 4,
+        dq=f"aa_bwd_dq_mma2<{t}, {d}, {qnw}, {qbn}>",
+        dq_threads=32 * qnw,
+        dq_block_m=qbm,
+        dq_block_n=qbn,
+        # Q, dO; two stages of K, V; lse2, delta (AaBwdDqMma2Smem)
+        dq_smem=(2 * qbm * pitch + 4 * qbn * pitch) * 2 + 2 * qbm * 4,
+        convert=f"aa_bwd_convert<{t}, float>",
+        variant="v2",
+    )
+
+
+def backward_plan(kind: str, e: int, ev: int, variant: str | None = None) -> BackwardPlan | None:
     """The backward kernels for dtype ``kind`` and head dims ``e`` (query/key) and ``ev``
-    (value), or ``None`` when no variant holds them (both above 256).
+    (value), or ``None`` when no variant holds them (both above 256). ``variant``
+    (``"v1"``/``"v2"``; ``None``: :func:`bwd_variant`, the environment) picks the kernels;
+    ``"v2"`` gives v1's plan where v2 has no kernels (see the module docstring).
 
     Examples:
-        >>> p = backward_plan("float16", 128, 128)
+        >>> p = backward_plan("float16", 128, 128, variant="v1")
         >>> p.dkdv, p.dkdv_block_n, p.dq
         ('aa_bwd_dkdv_mma<AaF16, 128, 8, 16>', 128, 'aa_bwd_dq_mma<AaF16, 128, 4, 32>')
+        >>> backward_plan("float16", 128, 128, variant="v2").dkdv
+        'aa_bwd_dkdv_mma2<AaF16, 128, 8, 64, 16>'
+        >>> backward_plan("float16", 96, 96, variant="v2").variant
+        'v1'
     """
     if kind not in _KIND_TYPES:
         raise ValueError(f"kind must be one of {tuple(_KIND_TYPES)}, got {kind!r}")
+    if variant is None:
+        variant = bwd_variant()
+    elif variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     t, acc = _KIND_TYPES[kind]
     need = max(e, ev, 1)
     pre = f"aa_bwd_preprocess<{t}, {acc}>"
     if kind in ("float16", "bfloat16"):
         d = _bucket(need, _MMA_HEAD_DIMS)
+        # v2 copies rows in 16-byte pieces: E and Ev multiples of 8 (else v1 below).
+        if variant == "v2" and d in _V2_HEAD_DIMS and e % 8 == 0 and ev % 8 == 0:
+            return _plan_v2(kind, d)
         if d is not None:
             # (warps, query rows per step): the largest tiles that compile without
             # register spills on sm_90 (D=96 spills 8 bytes; .ci/compile_kernels.py).
@@ -241,13 +317,18 @@ def backward_plan(kind: str, e: int, ev: int) -> BackwardPlan | None:
 
 
 def _all_plans() -> list[BackwardPlan]:
+    """v1's plans at every bucket, then v2's own (its instantiations only: the 16-bit kinds
+    at head dims 64 and 128)."""
     plans = []
     for kind in _KIND_TYPES:
         dims = _MMA_HEAD_DIMS + (256,) if kind in ("float16", "bfloat16") else _SIMT_HEAD_DIMS
         for d in dims:
-            plan = backward_plan(kind, d, d)
+            plan = backward_plan(kind, d, d, variant="v1")
             if plan is not None:
                 plans.append(plan)
+    for kind in ("float16", "bfloat16"):
+        for d in _V2_HEAD_DIMS:
+            plans.append(_plan_v2(kind, d))
     return plans
 
 
@@ -265,11 +346,16 @@ COMPILE_VARIANTS: dict[str, list[str]] = {SOURCE: _variant_names()}
 
 HOT_VARIANTS: list[str] = [
     name
+    for variant in VARIANTS
     for kind in ("float16", "bfloat16")
     for d in (64, 128)
-    for name in (backward_plan(kind, d, d).dkdv, backward_plan(kind, d, d).dq)  # type: ignore[union-attr]
+    for name in (
+        backward_plan(kind, d, d, variant).dkdv,  # type: ignore[union-attr]
+        backward_plan(kind, d, d, variant).dq,  # type: ignore[union-attr]
+    )
 ]
-"""The variants the compile check fails on when they spill: float16/bfloat16 at D = 64, 128."""
+"""The variants the compile check fails on when they spill: float16/bfloat16 at D = 64, 128,
+v1's and v2's."""
 
 
 # -- the block schedule, mirrored from attn_bwd.cu for the host and the CPU tests -----------------
@@ -436,7 +522,7 @@ def declines(spec: AttentionSpec) -> str | None:
     kind = kernel_kind(spec)
     if kind is None:
         return f"dtype {spec.dtype} is not float16, bfloat16, float32 or float64"
-    if backward_plan(kind, spec.E, spec.Ev) is None:
+    if backward_plan(kind, spec.E, spec.Ev, variant="v1") is None:
         return f"head dims E={spec.E}, Ev={spec.Ev} exceed 256"
     if spec.mask_kind == "float":
         return "a float attn_mask (bias) needs its dense gradient: the array-API backward"
@@ -539,7 +625,7 @@ def backward(
     det = is_deterministic() if deterministic is None else bool(deterministic)
     kind = kernel_kind(spec)
     assert kind is not None  # declines() refuses a dtype without kernels
-    plan = backward_plan(kind, spec.E, spec.Ev)
+    plan = backward_plan(kind, spec.E, spec.Ev, bwd_variant())
     assert plan is not None  # declines() refuses head dims no variant holds
     B, Hq, Hkv, L, S, E, Ev = (spec.batch_size, spec.Hq, spec.Hkv, spec.L, spec.S, spec.E, spec.Ev)
     if B == 0 or Hq == 0 or L == 0 or S == 0 or E == 0 and Ev == 0:
@@ -565,7 +651,6 @@ def backward(
         mask, *strides = mask_operand(spec, attn_mask, acc)  # as the forward kernels read it
         bs, hs, rs, cs = (int(x) for x in strides)
         mask_strides = (bs, hs, rs, cs)
-
 
     st = spec.structure
     dq, dk, dv = run_kernels(
