@@ -141,8 +141,15 @@ def library(tmp_path_factory):
     return emu.build(sorted(names), tmp_path_factory.mktemp("decode"), kernel_file=decode.SOURCE)
 
 
-@pytest.mark.parametrize("variant", decode.VARIANTS)
-@pytest.mark.parametrize("case", list(CASES))
+# v2 (the default) on every case; v1 on every case but the two slowest to emulate (CI
+# time: about half a minute each), which v1 ran on an H200 in the GPU tests.
+_V1_SKIPPED = ("f32_d256_empty_splits", "f16_paged_window_softcap_sinks_alibi")
+
+
+@pytest.mark.parametrize(
+    "case,variant",
+    [(c, "v2") for c in CASES] + [(c, "v1") for c in CASES if c not in _V1_SKIPPED],
+)
 def test_decode_kernels_match_float64(library, case, variant):
     run_case(library, case, variant)
 
