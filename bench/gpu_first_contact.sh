@@ -16,7 +16,8 @@
 #   STAGES=env,tiny_gpt,decode bash bench/gpu_first_contact.sh second   # any stages
 #   (also cupy_all: every ops/nn test on CuPy; fwd_mt_ab: forward MT=1 vs MT=2 tiles;
 #   ab_fwd, ab_bwd, ab_decode(_kernels): the v1 and v2 kernel variants one after the other;
-#   host: where a small call's host time goes; RACE_DTYPES: racecheck's dtypes)
+#   host: where a small call's host time goes; RACE_DTYPES: racecheck's dtypes;
+#   WIDE_LENGTHS: bench_wide's lengths)
 #
 # Every stage runs under `timeout` with min(its cap, the time left of BUDGET seconds), so a
 # hang costs one stage and the last stages are skipped, never the whole run. Everything is
@@ -211,7 +212,7 @@ stage fwd_mt_ab 60 bash -c 'for mt in 1 2; do ARRAYATTN_FWD_TC_MT=$mt "$0" bench
   --out "$1"; done' "$py" "$out/bench.md"
 stage tiny_gpt 60 "$py" examples/tiny_gpt.py --xp cupy --steps 150 --new-tokens 20
 stage bench_wide 120 "$py" bench/gpu_bench.py --dtypes float16 --head-dims 64,128 \
-  --lengths 1024,2048,8192,16384 --backward --no-composed --no-append --reps 15 \
+  --lengths "${WIDE_LENGTHS:-1024,2048,8192,16384}" --backward --no-composed --no-append --reps 15 \
   --out "$out/bench.md"
 stage bench_fp32 60 "$py" bench/gpu_bench.py --dtypes float32,float64 --head-dims 128 \
   --lengths 2048 --backward --no-composed --no-append --reps 9 --out "$out/bench.md"

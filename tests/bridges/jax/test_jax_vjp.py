@@ -403,7 +403,13 @@ def test_dropout_is_the_seeds_mask_and_reproducible(path: str) -> None:
     close(out, want_out, 1e-12)
     for a, b in zip(grads, want, strict=True):
         close(a, b, 1e-12)
-    assert np.array_equal(ours(q, k, v), out)  # same seed, same mask
+    # Same seed, same mask: the jitted forward alone is bit-identical run to run, and
+    # equals the forward inside vjp up to rounding (on a GPU XLA fuses the two programs
+    # differently, so their last bits may differ; the dropped positions may not).
+    first = ours(q, k, v)
+    assert np.array_equal(ours(q, k, v), first)
+    assert np.array_equal(np.asarray(first) == 0, np.asarray(out) == 0)
+    close(first, out, 1e-12)
     assert not np.allclose(ours(q, k, v, seed=seed + 1), out)
     # A jax.random key is its uint32 draw (outside jit: a key must be concrete; the
     # traced path is left out here only because it runs slowly outside jit).
