@@ -4,9 +4,10 @@ Runs on NumPy, CuPy, array-api-strict, PyTorch, JAX and Dask arrays (through
 array-api-compat); every op has a hand-written backward reachable through :func:`vjp`.
 """
 
-from . import nn
+from . import flex, nn
 from ._autodiff import differentiable_ops, vjp
 from ._backend import array_namespace, device
+from .flex import BlockMask, ScoreMod, create_block_mask
 from .ops import (
     ROPE_TYPES,
     apply_rope,
@@ -66,5 +67,9 @@ __all__ = [
     "vjp",
     "differentiable_ops",
     "nn",
+    "flex",
+    "create_block_mask",
+    "BlockMask",
+    "ScoreMod",
     "__version__",
 ]

@@ -117,6 +117,62 @@ def to_floats(x: Array) -> list[float]:
     return [float(x[i]) for i in range(int(x.shape[0]))]
 
 
+def to_host_numpy(x: Array) -> Any:
+    """A small array's values as a NumPy array on the host (one transfer from a GPU; a
+    PyTorch tensor detached first; JAX arrays through ``numpy.asarray``). For metadata
+    such as per-token document ids, never for the operands of a call.
+
+    Examples:
+        >>> import numpy as np
+        >>> to_host_numpy(np.arange(3)).tolist()
+        [0, 1, 2]
+    """
+    import numpy as np
+
+    if array_api_compat.is_torch_array(x):
+        return x.detach().cpu().numpy()
+    if array_api_compat.is_cupy_array(x):
+        return x.get()
+    if array_api_compat.is_dask_array(x):
+        return np.asarray(x.compute())
+    return np.asarray(x)
+
+
+_SCATTER_ELEMENTS = 1 << 22
+"""One-hot elements per product in :func:`scatter_add`'s portable route (16 MiB in
+float32)."""
+
+
+def scatter_add(
+    xp: Namespace, index: Array, values: Array, size: int, shape: tuple[int, ...] | None = None
+) -> Array:
+    """``out[index[i]] += values[i]`` into zeros of ``size`` (then reshaped to ``shape``),
+    deterministically: the same sums in the same order on every run. NumPy uses
+    ``bincount``; other libraries a one-hot product in bounded chunks (their scatter-adds
+    use atomics on a GPU, whose order, and so the rounding, varies run to run).
+
+    Examples:
+        >>> import numpy as np
+        >>> scatter_add(np, np.array([0, 2, 0]), np.array([1.0, 2.0, 3.0]), 3).tolist()
+        [4.0, 0.0, 2.0]
+    """
+    if is_numpy(xp):
+        import numpy as np
+
+        out = np.bincount(np.asarray(index), weights=np.asarray(values), minlength=size)
+        out = out.astype(values.dtype, copy=False)
+    else:
+        n = int(index.shape[0])
+        dev = values.device
+        slots = xp.arange(size, dtype=index.dtype, device=dev)
+        chunk = max(1, _SCATTER_ELEMENTS // max(1, size))
+        out = xp.zeros((size,), dtype=values.dtype, device=dev)
+        for i in range(0, n, chunk):
+            onehot = xp.astype(index[i : i + chunk, None] == slots, values.dtype)
+            out = out + xp.matmul(values[None, i : i + chunk], onehot)[0]
+    return out if shape is None else xp.reshape(out, shape)
+
+
 def known_shape(name: str, x: Array) -> tuple[int, ...]:
     """``x.shape`` as Python ints; a ``ValueError`` naming ``name`` when a size is unknown
     (``None`` in the array API standard, NaN in Dask after boolean indexing or
@@ -332,9 +388,7 @@ def array_namespace(*arrays_or_library: Any) -> Namespace:
     """
     if not arrays_or_library:
         raise TypeError("array_namespace needs arrays or one library module, got nothing")
-    if len(arrays_or_library) == 1 and not array_api_compat.is_array_api_obj(
-        arrays_or_library[0]
-    ):
+    if len(arrays_or_library) == 1 and not array_api_compat.is_array_api_obj(arrays_or_library[0]):
         return resolve_namespace(arrays_or_library[0])
     return namespace_of(**{f"arrays[{i}]": x for i, x in enumerate(arrays_or_library)})
 

@@ -95,6 +95,7 @@ STACKED_ROWS = 128
 MIN_BLOCK_KEYS = 128
 STRUCTURED_ROW_BLOCKS = 8
 
+
 def score_matrix_bytes(spec: AttentionSpec) -> int:
     """Bytes of one ``L x S`` score matrix per (batch, head) in the compute dtype: what
     the composed path allocates (several times, for scores, probabilities, gradients)."""
@@ -198,11 +199,13 @@ def _block_sizes(
 
 def _key_blocks(
     spec: AttentionSpec, r0: int, r1: int, bk: int, clip: bool = False
-) -> Iterator[tuple[int, int, int, bool]]:
-    """``(index, c0, c1, inside)`` for the key blocks (on the fixed grid of size ``bk``)
-    that rows ``[r0, r1)`` may see; ``inside`` is True when the whole block lies inside
-    the causal/window band, so the structural mask test can be skipped. ``clip=True``
-    (the forward, which needs no grid) trims the blocks to the keys the rows can see."""
+) -> Iterator[tuple[int, int, int, bool, bool]]:
+    """``(index, c0, c1, inside, check_mod)`` for the key blocks (on the fixed grid of
+    size ``bk``) that rows ``[r0, r1)`` may see; ``inside`` is True when the whole block
+    lies inside the causal/window band, so the structural mask test can be skipped;
+    blocks a block mask says are empty are left out, and ``check_mod`` is False on those
+    it says are full. ``clip=True`` (the forward, which needs no grid) trims the blocks
+    to the keys the rows can see."""
     st = spec.structure
     lo, hi = st.col_range(r0, r1, spec.S, offset_bounds=spec.offset_bounds)
     if lo >= hi:  # (lo may even exceed S for a window past the last key)
@@ -212,7 +215,9 @@ def _key_blocks(
         j = c0 // bk
         if clip:
             c0, c1 = max(c0, lo), min(c1, hi)
-        yield j, c0, c1, composed.inside_band(spec, r0, r1, c0, c1)
+        visit, check_mod = composed.flex_tile(spec, r0, r1, c0, c1)
+        if visit:
+            yield j, c0, c1, composed.inside_band(spec, r0, r1, c0, c1), check_mod
 
 
 def _mask_block(mask_g: Array | None, r0: int, r1: int, c0: int, c1: int) -> Array | None:
@@ -314,7 +319,9 @@ class _Rows:
         self.tiny = full_scalar(xp, static_shift.limit_and_tiny(xp, cd)[1], cd, dev)
         self.rows_shape = spec.lead + (spec.Hq // spec.G, spec.G)
         # Index arrays only when a block needs them (structure edge, lengths, dropout).
-        self.need_index = spec.has_lengths or spec.dropout_p > 0 or spec.alibi_g is not None
+        self.need_index = (
+            spec.has_lengths or spec.dropout_p > 0 or spec.alibi_g is not None or spec.flex
+        )
         # A block that crosses the causal/window band's edge is masked only on the key
         # columns the edge crosses, in place (a 256-row causal block: 256 of up to 2048
         # columns), where the library writes through views; per-sequence diagonals
@@ -361,7 +368,7 @@ class _Rows:
         spec, xp = self.spec, self.spec.xp
         q_blk = self.qg if (r0, r1) == (0, spec.L) else self.qg[..., r0:r1, :]
         m = total = acc = None
-        for _, c0, c1, inside in _key_blocks(spec, r0, r1, self.bk, clip=True):
+        for _, c0, c1, inside, check_mod in _key_blocks(spec, r0, r1, self.bk, clip=True):
             rows = cols = None
             edges = not inside and self.edges_in_place
             if self.need_index or (not inside and not edges):
@@ -379,6 +386,7 @@ class _Rows:
                 check_structure=not (inside or edges),
                 q_scaled=True,
                 scratch=self.s_scratch,
+                check_mod=check_mod,
             )
             if edges:
                 self._mask_edges(s, r0, r1, c0, c1)
@@ -552,7 +560,7 @@ def backward(
         row_total = (
             None if spec.partial_keys else _row_totals(spec, q_blk, kg, mask_g, lse_blk, r0, r1, bk)
         )
-        for j, c0, c1, inside in _key_blocks(spec, r0, r1, bk):
+        for j, c0, c1, inside, check_mod in _key_blocks(spec, r0, r1, bk):
             rows, cols = composed.index_block(spec, r0, r1, c0, c1)
             k_blk = kg[..., c0:c1, :]
             s, tanh = composed.scores_block(
@@ -563,6 +571,7 @@ def backward(
                 rows,
                 cols,
                 check_structure=not inside,
+                check_mod=check_mod,
             )
             p = composed.probabilities_from_lse(spec, s, lse_blk, overwrite=True)
             if row_total is not None:
@@ -624,7 +633,7 @@ def _row_totals(
     if not is_lazy(xp) and not bool(xp.any(need)):
         return None
     total = None
-    for _, c0, c1, inside in _key_blocks(spec, r0, r1, bk):
+    for _, c0, c1, inside, check_mod in _key_blocks(spec, r0, r1, bk):
         rows, cols = composed.index_block(spec, r0, r1, c0, c1)
         s, _ = composed.scores_block(
             spec,
@@ -634,6 +643,7 @@ def _row_totals(
             rows,
             cols,
             check_structure=not inside,
+            check_mod=check_mod,
         )
         p = composed.probabilities_from_lse(spec, s, lse_blk, overwrite=True)
         part = xp.sum(p, axis=-1, keepdims=True)

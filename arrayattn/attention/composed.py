@@ -32,6 +32,7 @@ from .._backend import (
     where_allowed,
 )
 from . import stacked
+from .block_mask import key_runs, mod_allowed
 from .cost import CostModel, Features, PathCost
 from .dropout import dropout_keep
 from .fits import require_memory
@@ -121,25 +122,92 @@ def index_block(
     return rows, cols
 
 
+def flex_indices(
+    spec: AttentionSpec, rows: Array, cols: Array
+) -> tuple[Array, Array, Array, Array]:
+    """``(b, h, q_idx, kv_idx)`` for a mask_mod or score_mod on a block: the grouped
+    layout's batch and head indices and the block's rows and keys, all global (a block of
+    a larger call adds its origins)."""
+    batch, head = spec.index_arrays()
+    if spec.row0 or spec.col0:
+        rows, cols = rows + spec.row0, cols + spec.col0
+    return batch, head, rows, cols
+
+
+def flex_runs(
+    spec: AttentionSpec, r0: int, r1: int, c0: int, c1: int
+) -> list[tuple[int, int, bool]]:
+    """The keys of ``[c0, c1)`` that rows ``[r0, r1)`` visit, as ``(a, b, check_mod)``
+    runs: all of them (tested when a mask_mod is given) without a block mask; with one,
+    its non-empty key blocks, ``check_mod`` False on runs of full blocks
+    (:func:`~arrayattn.attention.block_mask.key_runs`)."""
+    if spec.mask_mod is None or c1 <= c0:
+        return [(c0, c1, False)] if c1 > c0 else []
+    bm = spec.block_mask
+    if bm is None:
+        return [(c0, c1, True)]
+    batches = None if spec.batch_ids is None else list(spec.batch_ids)
+    heads = (
+        None
+        if (spec.head0 == 0 and bm.kinds.shape[1] in (1, spec.Hq))
+        else slice(spec.head0, spec.head0 + spec.Hq)
+    )
+    runs = key_runs(
+        bm, batches, heads, r0 + spec.row0, r1 + spec.row0, c0 + spec.col0, c1 + spec.col0
+    )
+    return [(a - spec.col0, b - spec.col0, m) for a, b, m in runs]
+
+
+def flex_tile(spec: AttentionSpec, r0: int, r1: int, c0: int, c1: int) -> tuple[bool, bool]:
+    """``(visit, check_mod)`` for the block of rows ``[r0, r1)`` and keys ``[c0, c1)``:
+    ``visit`` False when the block mask says it is empty (for every batch and head of
+    the call), ``check_mod`` False when it is full (or without a mask_mod)."""
+    if spec.mask_mod is None:
+        return True, False
+    runs = flex_runs(spec, r0, r1, c0, c1)
+    if not runs:
+        return False, False
+    return True, any(m for *_, m in runs)
+
+
+def flex_parts(
+    spec: AttentionSpec, r0: int, r1: int, c0: int, c1: int
+) -> list[tuple[int, int, bool, bool]]:
+    """``(p0, p1, check_structure, check_mod)``: the keys of ``[c0, c1)`` rows
+    ``[r0, r1)`` visit, cut into the band's inside and edges (:func:`key_parts`) and the
+    block mask's runs (:func:`flex_runs`)."""
+    out = []
+    for a, b, check_mod in flex_runs(spec, r0, r1, c0, c1):
+        for p0, p1 in key_parts(spec, r0, r1, a, b):
+            out.append((p0, p1, not inside_band(spec, r0, r1, p0, p1), check_mod))
+    return out
+
+
 def allowed_block(
     spec: AttentionSpec,
     mask_g: Array | None,
     rows: Array,
     cols: Array,
     check_structure: bool = True,
+    check_mod: bool = True,
 ) -> Array | None:
     """The boolean "may attend" array for a block: structure (with per-sequence diagonals
     when lengths are given) AND per-sequence lengths AND a boolean user mask (already
-    sliced to the block), or ``None`` when nothing is masked. ``check_structure=False``
-    skips the causal/window test for blocks known to lie inside it."""
+    sliced to the block) AND the mask_mod, or ``None`` when nothing is masked.
+    ``check_structure=False`` skips the causal/window test for blocks known to lie inside
+    it, ``check_mod=False`` the mask_mod for blocks the block mask says are full."""
     xp = spec.xp
     allowed = None
     if check_structure:
         allowed = structural_allowed(xp, spec.structure, rows, cols, offset=spec.offset_g)
+    mod_allowed_ = None
+    if spec.mask_mod is not None and check_mod:
+        mod_allowed_ = mod_allowed(spec.mask_mod, *flex_indices(spec, rows, cols))
     for extra in (
         None if spec.kv_len_g is None else cols < spec.kv_len_g,
         None if spec.q_len_g is None else rows < spec.q_len_g,
         mask_g if spec.mask_kind == "bool" else None,
+        mod_allowed_,
     ):
         if extra is not None:
             allowed = extra if allowed is None else xp.logical_and(allowed, extra)
@@ -156,10 +224,13 @@ def scores_block(
     check_structure: bool = True,
     q_scaled: bool = False,
     scratch: Array | None = None,
+    check_mod: bool = True,
 ) -> tuple[Array, Array | None]:
     """Final masked scores ``(..., l, s)`` in the compute dtype for a block, and the
-    softcap ``tanh`` (kept for the backward) or ``None``. With ``scratch`` (a
-    ``_backend.workspace``) the scores may live in it: valid until its next use.
+    derivative of the final scores with respect to the scaled scores where it is not 1
+    (the softcap's ``1 - tanh^2`` times a score_mod's derivative; kept for the backward),
+    or ``None``. With ``scratch`` (a ``_backend.workspace``) the scores may live in it:
+    valid until its next use.
 
     ``qg``/``kg`` are in the compute dtype; ``mask_g`` is the user's mask for the block
     in the grouped layout (bool or float), ``rows``/``cols`` the block's int32 indices;
@@ -171,13 +242,20 @@ def scores_block(
     s = group_matmul(xp, qg, xp.matrix_transpose(kv_rows(xp, kg)), scratch)
     if spec.scale != 1.0 and not q_scaled:
         s = s * spec.scale
-    tanh = None
+    chain = None
     if spec.softcap is not None:
         tanh = xp.tanh(s / spec.softcap)
         s = tanh * spec.softcap
+        chain = 1.0 - tanh * tanh
     if spec.alibi_g is not None:
         s = s + alibi_bias(spec, rows, cols)
-    allowed = allowed_block(spec, mask_g, rows, cols, check_structure)
+    if spec.score_mod is not None:
+        idx = flex_indices(spec, rows, cols)
+        d_mod = spec.score_mod.grad(s, *idx) if spec.score_mod.differentiable else None
+        s = xp.astype(spec.score_mod(s, *idx), spec.cdtype, copy=False)
+        if d_mod is not None:
+            chain = d_mod if chain is None else chain * d_mod
+    allowed = allowed_block(spec, mask_g, rows, cols, check_structure, check_mod)
     if spec.mask_kind == "float":
         bias = xp.astype(mask_g, spec.cdtype)
         s = s + bias
@@ -186,9 +264,9 @@ def scores_block(
         allowed = kept if allowed is None else xp.logical_and(allowed, kept)
     if allowed is not None:  # (s is this block's own: masked in place where possible)
         s = where_allowed(xp, s, allowed, full_scalar(xp, -float("inf"), spec.cdtype, spec.device))
-        if tanh is not None:  # tanh of a garbage score must not reach the chain rule
-            tanh = xp.where(allowed, tanh, full_scalar(xp, 0.0, spec.cdtype, spec.device))
-    return s, tanh
+        if chain is not None:  # the derivative at a garbage score must not reach dS
+            chain = xp.where(allowed, chain, full_scalar(xp, 0.0, spec.cdtype, spec.device))
+    return s, chain
 
 
 def alibi_bias(spec: AttentionSpec, rows: Array, cols: Array) -> Array:
@@ -645,7 +723,11 @@ def forward(
     outs, lses = [], []
     for r0, r1, c0, c1 in row_blocks(spec):
         rows_shape = _block_rows(spec, r1 - r0)
-        if c1 <= c0:  # no key for these rows (S = 0, or outside every window)
+        # The block's keys in parts: the band's inside needs no mask test, only the
+        # (narrow) edges do; a block mask's empty blocks are skipped, its full ones
+        # need no mask_mod test.
+        flex = flex_parts(spec, r0, r1, c0, c1)
+        if not flex:  # no key for these rows (S = 0, outside every window, empty blocks)
             out, lse = merge_sinks(  # (a sink still gives them an LSE)
                 spec,
                 xp.zeros(rows_shape + (spec.Ev,), dtype=cd, device=spec.device),
@@ -655,10 +737,9 @@ def forward(
             lses.append(xp.broadcast_to(lse, rows_shape + (1,)))
             continue
         q_b = qg if (r0, r1) == (0, spec.L) else qg[..., r0:r1, :]
-        # The block's keys in parts: the band's inside needs no mask test, only the
-        # (narrow) edges do; one exact softmax over all parts (max first, then sums).
+        # One exact softmax over all parts (max first, then sums).
         parts = []
-        for p0, p1 in key_parts(spec, r0, r1, c0, c1):
+        for p0, p1, check_structure, check_mod in flex:
             rows, cols = index_block(spec, r0, r1, p0, p1)
             k_b = kg if (p0, p1) == (0, spec.S) else kg[..., p0:p1, :]
             s, _ = scores_block(
@@ -668,8 +749,9 @@ def forward(
                 mask_block(mask_g, r0, r1, p0, p1),
                 rows,
                 cols,
-                check_structure=not inside_band(spec, r0, r1, p0, p1),
+                check_structure=check_structure,
                 q_scaled=True,
+                check_mod=check_mod,
             )
             parts.append((p0, p1, rows, cols, s))
         m = None
@@ -771,6 +853,9 @@ def backward(
     for r0, r1, c0, c1 in row_blocks(spec):
         n = r1 - r0
         rows_shape = _block_rows(spec, n)
+        if spec.block_mask is not None:  # from the first to the last non-empty key block
+            runs = flex_runs(spec, r0, r1, c0, c1)
+            c0, c1 = (runs[0][0], runs[-1][1]) if runs else (c0, c0)
         if c1 <= c0 or (do_g is None and dl is None):
             dq_parts.append(xp.zeros(rows_shape + (spec.E,), dtype=cd, device=dev))
             if float_mask:
@@ -829,6 +914,57 @@ def backward(
     if float_mask:
         d_mask = _reduce_mask(spec, spec.ungroup_rows(_concat_rows(xp, ds_parts)), attn_mask)
     return dq, dk, dv, d_mask
+
+
+def score_mod_param_grads(
+    spec: AttentionSpec,
+    query: Array,
+    key: Array,
+    value: Array,
+    attn_mask: Array | None,
+    out: Array,
+    lse: Array,
+    d_out: Array | None,
+    d_lse: Array | None,
+) -> tuple[Array, ...]:
+    """Gradients of the score_mod's parameters (a bias table): ``dS`` of every block a
+    row block visits (empty blocks skipped), recomputed from the saved LSE as in
+    :func:`backward`, handed to the score_mod's ``param_grads`` and summed block after
+    block in a fixed order (deterministic). One pass over the scores, the same on every
+    implementation, so it runs once beside whichever backward ran."""
+    smod = spec.score_mod
+    xp = spec.xp
+    if smod is None or not smod.params:
+        return ()
+    qg, kg, vg, mask_g = _prepare(spec, query, key, value, attn_mask)
+    lse_g = xp.astype(_group_lse(spec, lse), spec.cdtype)
+    do_g, delta, dl = backward_rows(spec, out, d_out, d_lse)
+    vc, _ = value_operands(spec, vg)
+    totals: list[Array | None] = [None] * len(smod.params)
+    if do_g is not None or dl is not None:
+        for r0, r1, c0, c1 in row_blocks(spec):
+            q_b = qg[..., r0:r1, :]
+            lse_b = lse_g[..., r0:r1, :]
+            do_b, delta_b, dl_b = (
+                None if x is None else x[..., r0:r1, :] for x in (do_g, delta, dl)
+            )
+            for p0, p1, check_structure, check_mod in flex_parts(spec, r0, r1, c0, c1):
+                rows, cols = index_block(spec, r0, r1, p0, p1)
+                s, _ = scores_block(
+                    spec, q_b, kg[..., p0:p1, :], mask_block(mask_g, r0, r1, p0, p1), rows,
+                    cols, check_structure=check_structure, check_mod=check_mod,
+                )  # fmt: skip
+                p = probabilities_from_lse(spec, s, lse_b, overwrite=True)
+                ds, _ = backward_block(spec, p, vc[..., p0:p1, :], do_b, delta_b, dl_b, rows, cols)
+                if ds is None:
+                    continue
+                grads = smod.param_grads(ds, *flex_indices(spec, rows, cols))
+                totals = [g if t is None else t + g for t, g in zip(totals, grads, strict=True)]
+    return tuple(
+        xp.zeros(prm.shape, dtype=prm.dtype, device=prm.device) if t is None
+        else xp.astype(t, prm.dtype, copy=False)
+        for t, prm in zip(totals, smod.params, strict=True)
+    )  # fmt: skip
 
 
 def backward_rows(
@@ -893,15 +1029,16 @@ def backward_block(
 
 
 def scores_grad_block(
-    spec: AttentionSpec, qg: Array, kg: Array, ds: Array, tanh: Array | None
+    spec: AttentionSpec, qg: Array, kg: Array, ds: Array, chain: Array | None
 ) -> tuple[Array, Array]:
     """Grouped ``(dQ, dK)`` of a block from the gradient ``ds`` of its final masked
-    scores: through the softcap (``1 - tanh^2``), then ``dS K`` and ``dS^T Q`` (one
-    product per KV head on the group's stacked rows, so ``dK`` comes summed over the
-    group: shape ``(..., Hk, 1, s, E)``), and the scale on those small results."""
+    scores: through the softcap and score_mod (``chain``, from :func:`scores_block`),
+    then ``dS K`` and ``dS^T Q`` (one product per KV head on the group's stacked rows, so
+    ``dK`` comes summed over the group: shape ``(..., Hk, 1, s, E)``), and the scale on
+    those small results."""
     xp = spec.xp
-    if tanh is not None:
-        ds = ds * (1.0 - tanh * tanh)
+    if chain is not None:
+        ds = ds * chain
     dq = group_matmul(xp, ds, kv_rows(xp, kg))
     dk = group_matmul_t(xp, ds, qg)
     if spec.scale != 1.0:

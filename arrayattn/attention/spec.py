@@ -130,6 +130,14 @@ class AttentionSpec:
     # ``(h' // (batch_size * group)) * group + h' % group`` of the original call (dropout
     # hashes the original indices, bit-identical to the non-stacked call).
     stacked_from: tuple[int, int] | None = None
+    # Structured masks and score modifiers (keyword options block_mask / mask_mod /
+    # score_mod, arrayattn.flex): ``mask_mod`` is the MaskMod every path evaluates on the
+    # blocks it computes (ANDed with every other mask); ``block_mask`` (may be None with a
+    # mask_mod given alone) says which blocks are empty (skipped) or full (no test);
+    # ``score_mod`` a ScoreMod applied to the scores after softcap and ALiBi.
+    block_mask: Any = None
+    mask_mod: Any = None
+    score_mod: Any = None
 
     def as_block(
         self,
@@ -175,8 +183,15 @@ class AttentionSpec:
         return (
             self.mask_kind is not None
             or self.has_lengths
+            or self.mask_mod is not None
             or not self.structure.excludes_nothing(self.L, self.S)
         )
+
+    @property
+    def flex(self) -> bool:
+        """True with a mask_mod or a score_mod (``arrayattn.flex``): paths that do not
+        evaluate them decline."""
+        return self.mask_mod is not None or self.score_mod is not None
 
     @property
     def offset_bounds(self) -> tuple[int, int] | None:
@@ -310,6 +325,9 @@ def make_spec(
     sinks: Array | None = None,
     alibi_slopes: Array | None = None,
     lse_wanted: bool = True,
+    block_mask: Any = None,
+    mask_mod: Any = None,
+    score_mod: Any = None,
 ) -> AttentionSpec:
     """Validate an attention call (see ``SEMANTICS.md``) and derive its spec.
     ``lse_wanted=False``: the caller will not use the LSE (see ``AttentionSpec``).
@@ -318,6 +336,13 @@ def make_spec(
     its scalar options (NumPy or CuPy arrays, no optional array, no dropout) reuses the
     spec of an earlier identical call: a decode step on a GPU is bound by this function's
     host time otherwise (54 us of a 181 us call on an H200's host)."""
+    if block_mask is not None or mask_mod is not None or score_mod is not None:
+        spec = _make_spec(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+            causal_align, window, softcap, seed, q_lengths=q_lengths, kv_lengths=kv_lengths,
+            sinks=sinks, alibi_slopes=alibi_slopes, lse_wanted=lse_wanted,
+        )  # fmt: skip
+        return _with_flex(spec, block_mask, mask_mod, score_mod)
     cache_key = _spec_cache_key(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         causal_align, window, softcap, seed, q_lengths, kv_lengths, sinks, alibi_slopes,
@@ -337,6 +362,42 @@ def make_spec(
             _SPEC_CACHE.clear()  # a process cycling through many shapes: start again
         _SPEC_CACHE[cache_key] = spec
     return spec
+
+
+def _with_flex(
+    spec: AttentionSpec, block_mask: Any, mask_mod: Any, score_mod: Any
+) -> AttentionSpec:
+    """``spec`` with its structured mask and score modifier (``arrayattn.flex``), checked
+    against the call: a block mask built for other shapes or another library is a
+    ``ValueError``; a block mask and a different mask_mod together too."""
+    from .block_mask import BlockMask, create_block_mask
+    from .mask_mods import as_mask_mod, classifiable
+    from .score_mods import as_score_mod
+
+    mod = None
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(
+                "block_mask must be a BlockMask from arrayattn.flex.create_block_mask, got "
+                f"{type(block_mask).__name__}"
+            )
+        block_mask.check_call(spec.xp, spec.device, spec.batch_size, spec.Hq, spec.L, spec.S)
+        mod = block_mask.mask_mod
+        if mask_mod is not None and as_mask_mod(mask_mod) is not mod:
+            raise ValueError(
+                "mask_mod and block_mask were both given and differ: the block mask already "
+                "holds its mask_mod (pass one of them)"
+            )
+    elif mask_mod is not None:
+        mod = as_mask_mod(mask_mod)
+        if classifiable(mod):  # built-ins: the block classification is cheap
+            block_mask = create_block_mask(
+                mod, spec.batch_size, None, spec.L, spec.S, xp=spec.xp, device=spec.device
+            )
+    smod = None if score_mod is None else as_score_mod(score_mod)
+    return dataclasses.replace(
+        spec, block_mask=block_mask, mask_mod=mod, score_mod=smod, stack_kv=False
+    )
 
 
 _SPEC_CACHE: dict[tuple[Any, ...], AttentionSpec] = {}
@@ -361,9 +422,7 @@ def _spec_cache_key(
     scalars = (dropout_p, is_causal, scale, enable_gqa, causal_align, softcap, seed, lse_wanted)
     if not all(x is None or type(x) in _PLAIN for x in scalars) or dropout_p:
         return None
-    if window is not None and not (
-        type(window) is tuple and all(type(w) is int for w in window)
-    ):
+    if window is not None and not (type(window) is tuple and all(type(w) is int for w in window)):
         return None
     devices = tuple(getattr(x.device, "id", x.device) for x in (query, key, value))
     return (

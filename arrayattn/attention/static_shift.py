@@ -97,8 +97,8 @@ def bounded(
         False
     """
     xp = spec.xp
-    if is_lazy(xp) or spec.mask_kind == "float":
-        return NONE
+    if is_lazy(xp) or spec.mask_kind == "float" or spec.score_mod is not None:
+        return NONE  # (a score_mod may move scores anywhere: no bound from |q| |k|)
     if spec.G * spec.L < MIN_ROWS:  # decode-shaped: the bound would cost what it saves
         return NONE
     if 0 in tuple(qg.shape) or 0 in tuple(kg.shape):

@@ -15,6 +15,7 @@ from .._autodiff import Pullback, register_vjp
 from .._backend import Array, known_shape
 from ..attention import composed as _composed
 from ..attention import implementations as _implementations  # noqa: F401  (registers them)
+from ..attention.block_mask import BlockMask
 from ..attention.registry import (
     Implementation,
     auto_choice,
@@ -58,6 +59,9 @@ def scaled_dot_product_attention(
     kv_lengths: Array | None = None,
     sinks: Array | None = None,
     alibi_slopes: Array | None = None,
+    block_mask: BlockMask | None = None,
+    mask_mod: Any = None,
+    score_mod: Any = None,
 ) -> Array: ...
 @overload
 def scaled_dot_product_attention(
@@ -80,6 +84,9 @@ def scaled_dot_product_attention(
     kv_lengths: Array | None = None,
     sinks: Array | None = None,
     alibi_slopes: Array | None = None,
+    block_mask: BlockMask | None = None,
+    mask_mod: Any = None,
+    score_mod: Any = None,
 ) -> tuple[Array, Array]: ...
 @overload
 def scaled_dot_product_attention(
@@ -102,6 +109,9 @@ def scaled_dot_product_attention(
     kv_lengths: Array | None = None,
     sinks: Array | None = None,
     alibi_slopes: Array | None = None,
+    block_mask: BlockMask | None = None,
+    mask_mod: Any = None,
+    score_mod: Any = None,
 ) -> Array | tuple[Array, Array]: ...
 def scaled_dot_product_attention(
     query: Array,
@@ -123,6 +133,9 @@ def scaled_dot_product_attention(
     kv_lengths: Array | None = None,
     sinks: Array | None = None,
     alibi_slopes: Array | None = None,
+    block_mask: BlockMask | None = None,
+    mask_mod: Any = None,
+    score_mod: Any = None,
 ) -> Array | tuple[Array, Array]:
     """Scaled dot-product attention with PyTorch's signature and semantics, plus
     FlashAttention's options.
@@ -183,6 +196,20 @@ def scaled_dot_product_attention(
             ``alibi_slopes`` (for causal calls its outputs; FA's causal LSE differs by a
             per-row constant). No ``L x S`` bias is built on the chunked, fast and fused
             paths. The slopes are constants: no gradient is returned for them.
+        block_mask: a :class:`arrayattn.flex.BlockMask` from
+            :func:`arrayattn.flex.create_block_mask` for this call's ``(B, Hq, L, S)``
+            (FlexAttention's): its ``mask_mod`` is ANDed with every other mask, its empty
+            blocks are skipped and its full blocks need no mask test.
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (FlexAttention's convention,
+            on broadcasting int32 index arrays): a shortcut for a block mask (built-ins of
+            :mod:`arrayattn.flex` are classified per call from index ranges, any other
+            function is evaluated on every block computed; build a block mask once to
+            skip empty blocks and reuse it).
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` applied after the
+            softcap and ALiBi, before a float mask; a :class:`arrayattn.flex.ScoreMod`
+            carries its derivative (required under :func:`arrayattn.vjp`) and
+            parameters, whose gradients ``vjp`` returns as
+            ``pullback(g)[-1]["score_mod"]``.
 
     Rows with no key left return 0 (and LSE ``-inf``, or the sink), never NaN.
 
@@ -225,6 +252,9 @@ def scaled_dot_product_attention(
         sinks=sinks,
         alibi_slopes=alibi_slopes,
         lse_wanted=return_lse,
+        block_mask=block_mask,
+        mask_mod=mask_mod,
+        score_mod=score_mod,
     )
     out, lse = select(spec, implementation).forward(spec, query, key, value, attn_mask)
     return (out, lse) if return_lse else out
@@ -251,6 +281,9 @@ def _sdpa_vjp(
     kv_lengths: Array | None = None,
     sinks: Array | None = None,
     alibi_slopes: Array | None = None,
+    block_mask: BlockMask | None = None,
+    mask_mod: Any = None,
+    score_mod: Any = None,
 ) -> tuple[Array | tuple[Array, Array], Pullback]:
     spec = make_spec(
         query,
@@ -269,7 +302,15 @@ def _sdpa_vjp(
         kv_lengths=kv_lengths,
         sinks=sinks,
         alibi_slopes=alibi_slopes,
+        block_mask=block_mask,
+        mask_mod=mask_mod,
+        score_mod=score_mod,
     )
+    if spec.score_mod is not None and not spec.score_mod.differentiable:
+        raise TypeError(
+            f"score_mod {spec.score_mod!r} has no derivative, so vjp cannot differentiate "
+            "through it: wrap it as arrayattn.flex.ScoreMod(fn, grad=d_fn_d_score)"
+        )
     impl = select(spec, implementation)
     out, lse = impl.forward(spec, query, key, value, attn_mask)
 
@@ -278,12 +319,19 @@ def _sdpa_vjp(
         dq, dk, dv, dmask = impl.backward(
             spec, query, key, value, attn_mask, out, lse, d_out, d_lse
         )
-        if spec.sinks is None:
+        extra: dict[str, Any] = {}
+        if spec.sinks is not None:
+            # The sinks' gradient needs only row statistics (LSE, dO . O, dLSE), the same
+            # on every implementation, so it is computed once here.
+            extra["sinks"] = _composed.sinks_gradient(spec, out, lse, d_out, d_lse)
+        if spec.score_mod is not None and spec.score_mod.params:
+            # Likewise a score_mod's parameters (a bias table): one pass, any path.
+            extra["score_mod"] = _composed.score_mod_param_grads(
+                spec, query, key, value, attn_mask, out, lse, d_out, d_lse
+            )
+        if not extra:
             return dq, dk, dv, dmask
-        # The sinks' gradient needs only row statistics (LSE, dO . O, dLSE), the same on
-        # every implementation, so it is computed once here.
-        d_sinks = _composed.sinks_gradient(spec, out, lse, d_out, d_lse)
-        return dq, dk, dv, dmask, {"sinks": d_sinks}
+        return dq, dk, dv, dmask, extra
 
     return ((out, lse) if return_lse else out), pullback
 
@@ -330,6 +378,9 @@ def attention_weights(
     kv_lengths: Array | None = None,
     sinks: Array | None = None,
     alibi_slopes: Array | None = None,
+    block_mask: BlockMask | None = None,
+    mask_mod: Any = None,
+    score_mod: Any = None,
 ) -> Array:
     """The attention probabilities ``(..., Hq, L, S)`` that
     :func:`scaled_dot_product_attention` with the same arguments multiplies into
@@ -366,6 +417,9 @@ def attention_weights(
         kv_lengths=kv_lengths,
         sinks=sinks,
         alibi_slopes=alibi_slopes,
+        block_mask=block_mask,
+        mask_mod=mask_mod,
+        score_mod=score_mod,
     )
     return weights
 
@@ -386,6 +440,9 @@ def _weights_spec(
     kv_lengths: Array | None = None,
     sinks: Array | None = None,
     alibi_slopes: Array | None = None,
+    block_mask: BlockMask | None = None,
+    mask_mod: Any = None,
+    score_mod: Any = None,
 ) -> AttentionSpec:
     # The value plays no part in the weights; key stands in for it (same S, Ev = E).
     return make_spec(
@@ -405,6 +462,9 @@ def _weights_spec(
         kv_lengths=kv_lengths,
         sinks=sinks,
         alibi_slopes=alibi_slopes,
+        block_mask=block_mask,
+        mask_mod=mask_mod,
+        score_mod=score_mod,
     )
 
 
@@ -433,6 +493,9 @@ def _attention_weights_vjp(
     kv_lengths: Array | None = None,
     sinks: Array | None = None,
     alibi_slopes: Array | None = None,
+    block_mask: BlockMask | None = None,
+    mask_mod: Any = None,
+    score_mod: Any = None,
 ) -> tuple[Array, Pullback]:
     spec = _weights_spec(
         query,
@@ -450,6 +513,9 @@ def _attention_weights_vjp(
         kv_lengths,
         sinks,
         alibi_slopes,
+        block_mask,
+        mask_mod,
+        score_mod,
     )
     xp = spec.xp
     s, tanh, qg, kg = _composed.masked_scores(spec, query, key, attn_mask)
@@ -472,12 +538,25 @@ def _attention_weights_vjp(
         ds = p * (dw - row)
         # Garbage in excluded keys (or empty query rows) must not meet ds's zeros.
         qc, kc = _composed.finite_or_zero(spec, qg), _composed.finite_or_zero(spec, kg)
+        if spec.score_mod is not None and not spec.score_mod.differentiable:
+            raise TypeError(
+                f"score_mod {spec.score_mod!r} has no derivative: wrap it as "
+                "arrayattn.flex.ScoreMod(fn, grad=d_fn_d_score)"
+            )
         grads = _composed.scores_pullback(spec, qc, kc, ds, tanh, attn_mask)
-        if spec.sinks is None:
-            return grads
-        # d sink_h = sum_ij dW_ij * dP_ij/d sink = -sum_i p_sink_i * rowsum(dW * P)_i.
-        p_sink = _composed.sink_probability(spec, lse_g)
-        return grads + ({"sinks": _composed.reduce_sinks(spec, -(p_sink * row))},)
+        extra: dict[str, Any] = {}
+        if spec.sinks is not None:
+            # d sink_h = sum_ij dW_ij * dP_ij/d sink = -sum_i p_sink_i * rowsum(dW * P)_i.
+            p_sink = _composed.sink_probability(spec, lse_g)
+            extra["sinks"] = _composed.reduce_sinks(spec, -(p_sink * row))
+        if spec.score_mod is not None and spec.score_mod.params:
+            idx = _composed.flex_indices(spec, *_composed.index_block(spec, 0, spec.L, 0, spec.S))
+            extra["score_mod"] = tuple(
+                xp.astype(g, prm.dtype, copy=False)
+                for g, prm in zip(spec.score_mod.param_grads(ds, *idx), spec.score_mod.params,
+                                  strict=True)
+            )  # fmt: skip
+        return grads + (extra,) if extra else grads
 
     return out, pullback
 

@@ -85,6 +85,8 @@ def declines(spec: AttentionSpec) -> str | None:
         reason = _bridge.declines(spec)
         if reason is not None:
             return reason
+    if spec.flex:  # (the array-API chunked path runs them on CuPy)
+        return "mask_mod/score_mod (arrayattn.flex) are not in the CUDA kernels yet"
     kind = kernel_kind(spec)
     if kind is None:
         return f"no fused kernel for dtype {spec.dtype}; expected one of {KINDS}"

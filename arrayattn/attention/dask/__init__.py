@@ -97,6 +97,8 @@ def declines(spec: AttentionSpec) -> str | None:
         from ..._backend import library_name
 
         return f'implementation="dask" needs Dask arrays, got {library_name(spec.xp)} arrays'
+    if spec.flex:
+        return "mask_mod/score_mod (arrayattn.flex) are not on the Dask path yet"
     return None
 
 

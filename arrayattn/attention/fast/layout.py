@@ -113,6 +113,8 @@ def declines(spec: AttentionSpec) -> str | None:
         return f"the NumPy fast path supports float16/float32/float64, got {spec.dtype}"
     if min(spec.L, spec.S, spec.E, spec.Ev) == 0:
         return "the NumPy fast path needs non-empty L, S and head dims"
+    if spec.flex:
+        return "mask_mod/score_mod (arrayattn.flex) run on the chunked and composed paths"
     return None
 
 
