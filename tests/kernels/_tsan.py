@@ -3,8 +3,14 @@
 Every CUDA thread of an emulated kernel is an OS thread, and the emulators' barriers
 (``emulator_barrier.h``) order nothing but their own threads, so TSan reports any pair of
 accesses from different threads with no barrier between them, however the threads ran.
-The tests that use this also delete one ``__syncthreads();`` at a time from a copy of the
-kernel source, to show the check notices each barrier the schedule needs.
+The tests that use this also delete one ``__syncthreads();`` at a time, to show the check
+notices each barrier the schedule needs. They do it with one build per kernel family
+(:func:`kernels_with_switchable_barriers`): every barrier of the copied source becomes
+conditional on the ``AA_EMU_SKIP_BARRIER`` environment variable, so running that build with
+``AA_EMU_SKIP_BARRIER=i`` is the kernel with barrier ``i`` deleted (every thread skips the
+same one), and each deletion costs a run instead of a ThreadSanitizer compile.
+:func:`kernels_without_barrier` (the literal deletion) is kept for checking a single site
+by hand.
 """
 
 from __future__ import annotations
@@ -22,6 +28,17 @@ KERNELS = Path(str(resources.files("arrayattn.attention.cuda")))
 BARRIER = "__syncthreads();"
 REPORT = "WARNING: ThreadSanitizer"
 HALT_ON_RACE = "halt_on_error=1"  # TSAN_OPTIONS where the first report is enough
+SKIP_BARRIER = "AA_EMU_SKIP_BARRIER"  # which barrier a switchable build skips (unset: none)
+# Put before the kernel file in a switchable copy. The variable is read once, while the
+# program or library loads, before any emulated CUDA thread exists: the threads only read
+# a constant, which orders nothing (a function-local static's guard would be an acquire).
+_SWITCH_PRELUDE = f"""#include <cstdlib>
+// Test copy (tests/kernels/_tsan.py): barrier number ${SKIP_BARRIER} is skipped.
+static const int aa_emu_skip_barrier = [] {{
+    const char* s = std::getenv("{SKIP_BARRIER}");
+    return s ? std::atoi(s) : -1;
+}}();
+"""
 
 
 def barrier_offsets(source: str) -> list[int]:
@@ -42,6 +59,31 @@ def kernels_without_barrier(source: str, site: int, dest: Path) -> Path:
     pos = barrier_offsets(source)[site]
     (dest / source).write_text(text[:pos] + "/* removed */" + text[pos + len(BARRIER) :])
     return dest
+
+
+def kernels_with_switchable_barriers(source: str, dest: Path) -> Path:
+    """A copy of the kernel sources in ``dest`` where barrier number ``i`` of ``source``
+    is skipped when the program runs with ``AA_EMU_SKIP_BARRIER=i`` (and none is skipped
+    without it); returns ``dest``. Barrier ``i`` becomes
+    ``{ if (aa_emu_skip_barrier != i) __syncthreads(); }`` in place (each is a statement of
+    its own), and a ``#line`` directive keeps the file's line numbers in reports."""
+    shutil.copytree(KERNELS, dest, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    text = (dest / source).read_text()
+    pieces, prev = [], 0
+    for i, pos in enumerate(barrier_offsets(source)):
+        pieces += [text[prev:pos], f"{{ if (aa_emu_skip_barrier != {i}) {BARRIER} }}"]
+        prev = pos + len(BARRIER)
+    pieces.append(text[prev:])
+    header = _SWITCH_PRELUDE + f'#line 1 "{source}"\n'
+    (dest / source).write_text(header + "".join(pieces))
+    return dest
+
+
+def skip_barrier_env(site: int, env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) for running a switchable build without barrier
+    ``site``, stopping at ThreadSanitizer's first report."""
+    return dict(os.environ if env is None else env, **{SKIP_BARRIER: str(site)},
+                TSAN_OPTIONS=HALT_ON_RACE)  # fmt: skip
 
 
 @cache

@@ -277,21 +277,24 @@ def _run_under_tsan(
     lib: Path,
     kind: str,
     deterministic: bool,
-    halt: bool = False,
     variant: str = "v1",
     eager: bool = False,
+    skip_barrier: int | None = None,
 ) -> subprocess.CompletedProcess:
     """``_backward_tsan_run.py`` in a child with libtsan preloaded; ``eager``: cp.async
-    copies land at issue (AA_EMU_EAGER=1), exposing a prefetch into a buffer still read."""
+    copies land at issue (AA_EMU_EAGER=1), exposing a prefetch into a buffer still read;
+    ``skip_barrier``: run a switchable build (``tsan.kernels_with_switchable_barriers``)
+    without that barrier, stopping at the first report."""
     env = dict(os.environ, LD_PRELOAD=tsan.libtsan(emu.compiler() or "g++") or "")
     env.pop("AA_EMU_EAGER", None)
+    env.pop(tsan.SKIP_BARRIER, None)
     # The float64 reference's matrix products at the v2 race case's sizes would start
     # OpenBLAS threads, whose own unsynchronised writes TSan reports (not the kernels').
     env["OPENBLAS_NUM_THREADS"] = env["OMP_NUM_THREADS"] = "1"
     if eager:
         env["AA_EMU_EAGER"] = "1"
-    if halt:
-        env["TSAN_OPTIONS"] = tsan.HALT_ON_RACE
+    if skip_barrier is not None:
+        env = tsan.skip_barrier_env(skip_barrier, env)
     script = Path(__file__).resolve().parent / "_backward_tsan_run.py"
     return subprocess.run(
         [sys.executable, str(script), str(lib), kind, str(int(deterministic)), variant],
@@ -351,19 +354,45 @@ def _barrier_sites() -> list[tuple[int, str, bool, str]]:
     return sites
 
 
+@pytest.fixture(scope="module")
+def switchable_libraries(tsan_work: Path):
+    """``(kind, variant) -> library``: one ThreadSanitizer build of the race case's
+    instantiations from a copy of the kernels whose barriers ``AA_EMU_SKIP_BARRIER``
+    switches off one at a time (built on first use, then shared by every site)."""
+    kdir = tsan.kernels_with_switchable_barriers("attn_bwd.cu", tsan_work / "switchable")
+    built: dict[tuple[str, str], Path] = {}
+
+    def get(kind: str, variant: str) -> Path:
+        if (kind, variant) not in built:
+            names = _plan_names(kind, variant)
+            built[kind, variant] = emu.compile_library(names, tsan_work, tsan.FLAGS,
+                                                       kernels_dir=kdir)  # fmt: skip
+        return built[kind, variant]
+
+    return get
+
+
 @pytest.mark.parametrize("site,kind,deterministic,variant", _barrier_sites())
 def test_race_check_catches_every_missing_barrier(
-    tsan_work: Path, tmp_path: Path, site: int, kind: str, deterministic: bool, variant: str
+    switchable_libraries, site: int, kind: str, deterministic: bool, variant: str
 ):
     """Deleting any one ``__syncthreads()`` of the backward kernels makes the race check
-    fail."""
-    kdir = tsan.kernels_without_barrier("attn_bwd.cu", site, tmp_path / "kernels")
-    names = _plan_names(kind, variant)
-    lib = emu.compile_library(names, tmp_path, tsan.FLAGS, kernels_dir=kdir)
-    res = _run_under_tsan(lib, kind, deterministic, halt=True, variant=variant)
+    fail. Every site is checked, each in a run of its own; the deletion is the switchable
+    build run with ``AA_EMU_SKIP_BARRIER=site`` (one compile per kernel family instead of
+    one per site: see ``_tsan.py``)."""
+    lib = switchable_libraries(kind, variant)
+    res = _run_under_tsan(lib, kind, deterministic, variant=variant, skip_barrier=site)
     assert tsan.REPORT in res.stderr, (
         f"barrier {site} removed ({kind} kernels), yet no race was reported"
     )
+
+
+def test_switchable_build_skips_nothing_by_default(switchable_libraries):
+    """Without ``AA_EMU_SKIP_BARRIER`` the switchable build is the kernels as written: no
+    race, right gradients (so the reports above come from the skipped barrier alone)."""
+    res = _run_under_tsan(switchable_libraries("float32", "v1"), "float32", True)
+    assert tsan.REPORT not in res.stderr, res.stderr[:6000]
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
 
 
 def test_simt_shared_memory_is_the_kernels_own(tmp_path):
