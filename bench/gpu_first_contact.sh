@@ -17,7 +17,7 @@
 #   (also cupy_all: every ops/nn test on CuPy; fwd_mt_ab: forward MT=1 vs MT=2 tiles;
 #   ab_fwd, ab_bwd, ab_decode(_kernels): the v1 and v2 kernel variants one after the other;
 #   host: where a small call's host time goes; RACE_DTYPES: racecheck's dtypes;
-#   WIDE_LENGTHS: bench_wide's lengths)
+#   WIDE_LENGTHS: bench_wide's lengths; AB_VARIANTS: the variants ab_* compare)
 #
 # Every stage runs under `timeout` with min(its cap, the time left of BUDGET seconds), so a
 # hang costs one stage and the last stages are skipped, never the whole run. Everything is
@@ -181,10 +181,12 @@ stage bench 100 "$py" bench/gpu_bench.py --dtypes float16 --head-dims 64,128 \
   --lengths 4096 --backward --no-composed --no-append --reps 30 --out "$out/bench.md"
 # A/B of the kernel variants (issue 36): today's (v1) and the new (v2), the same grid each,
 # one switch at a time; the tables' header lines name the switch
-ab() { # ab SWITCH ARGS...: gpu_bench.py with SWITCH=v1, then SWITCH=v2
+ab() { # ab SWITCH ARGS...: gpu_bench.py with SWITCH=each of AB_VARIANTS (default v1 v2)
   local switch=$1 v
   shift
-  for v in v1 v2; do env "$switch=$v" "$py" bench/gpu_bench.py --no-composed --no-append "$@"; done
+  for v in ${AB_VARIANTS:-v1 v2}; do
+    env "$switch=$v" "$py" bench/gpu_bench.py --no-composed --no-append "$@"
+  done
 }
 export -f ab
 stage ab_fwd 80 ab ARRAYATTN_FWD_VARIANT --dtypes float16 --head-dims 64,128 \
