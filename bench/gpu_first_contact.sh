@@ -15,7 +15,8 @@
 #                                            # those tests (default: the GPU test files)
 #   STAGES=env,tiny_gpt,decode bash bench/gpu_first_contact.sh second   # any stages
 #   (also cupy_all: every ops/nn test on CuPy; fwd_mt_ab: forward MT=1 vs MT=2 tiles;
-#   ab_fwd, ab_bwd, ab_decode(_kernels): the v1 and v2 kernel variants one after the other;
+#   ab_fwd, ab_bwd, ab_decode(_kernels): the v1 and v2 kernel variants one after the other
+#   (ab_bwd: backward v2 and v3);
 #   host: where a small call's host time goes; RACE_DTYPES: racecheck's dtypes;
 #   WIDE_LENGTHS: bench_wide's lengths; AB_VARIANTS: the variants ab_* compare)
 #
@@ -189,9 +190,12 @@ ab() { # ab SWITCH ARGS...: gpu_bench.py with SWITCH=each of AB_VARIANTS (defaul
   done
 }
 export -f ab
+ab_bwd() { AB_VARIANTS="v2 v3" ab "$@"; } # the backward: v2 (the default) against v3
+export -f ab_bwd
 stage ab_fwd 80 ab ARRAYATTN_FWD_VARIANT --dtypes float16 --head-dims 64,128 \
   --lengths 2048,8192 --reps 15 --out "$out/bench.md"
-stage ab_bwd 120 ab ARRAYATTN_BWD_VARIANT --dtypes float16 --head-dims 64,128 --lengths 4096 \
+# backward v3 (aa_bwd_dkdv_mma3) has head dim 64 only: at 128 it runs v2's kernels
+stage ab_bwd 120 ab_bwd ARRAYATTN_BWD_VARIANT --dtypes float16 --head-dims 64,128 --lengths 4096 \
   --backward --reps 15 --out "$out/bench.md"
 stage ab_decode 60 ab ARRAYATTN_DECODE_VARIANT --decode 4096,16384,65536,131072 --reps 30 \
   --out "$out/bench.md"

@@ -314,11 +314,12 @@ def test_variant_switch_reads_the_environment(monkeypatch):
     monkeypatch.delenv("ARRAYATTN_BWD_VARIANT", raising=False)
     assert bwd.bwd_variant() == bwd.DEFAULT_VARIANT == "v2"  # measured faster on an H200
     assert bwd.backward_plan("float16", 128, 128).variant == "v2"
-    for raw, want in (("", "v2"), ("v1", "v1"), ("v2", "v2"), (" V2 ", "v2"), ("V1", "v1")):
+    for raw, want in (("", "v2"), ("v1", "v1"), ("v2", "v2"), (" V2 ", "v2"), ("V1", "v1"),
+                      ("v3", "v3"), ("V3 ", "v3")):  # fmt: skip
         monkeypatch.setenv("ARRAYATTN_BWD_VARIANT", raw)
         assert bwd.bwd_variant() == want
         assert bwd.backward_plan("bfloat16", 64, 64).variant == want
-    monkeypatch.setenv("ARRAYATTN_BWD_VARIANT", "v3")
+    monkeypatch.setenv("ARRAYATTN_BWD_VARIANT", "v4")
     with pytest.raises(ValueError, match="ARRAYATTN_BWD_VARIANT must be one of"):
         bwd.bwd_variant()
     with pytest.raises(ValueError, match="ARRAYATTN_BWD_VARIANT"):
@@ -356,6 +357,44 @@ def test_v2_plan_and_what_it_leaves_to_v1(kind, e, ev, want):
         assert plan.dq in bwd.COMPILE_VARIANTS["attn_bwd.cu"]
         assert plan.dkdv in bwd.HOT_VARIANTS and plan.dq in bwd.HOT_VARIANTS
         assert plan.dkdv_smem <= 227 * 1024 and plan.dq_smem <= 227 * 1024
+
+
+@pytest.mark.parametrize(
+    "kind,e,ev,want",
+    [
+        ("float16", 64, 64, "v3"),
+        ("bfloat16", 56, 64, "v3"),  # padded into D = 64
+        ("float16", 48, 40, "v3"),
+        ("float16", 128, 128, "v2"),  # D = 128: v2's kernels
+        ("bfloat16", 120, 112, "v2"),
+        ("float16", 60, 64, "v1"),  # E % 8 != 0: no 16-byte copies
+        ("float16", 32, 32, "v1"),  # D = 32
+        ("float16", 80, 80, "v1"),  # D = 96
+        ("bfloat16", 256, 256, "v1"),
+        ("float32", 64, 64, "v1"),  # CUDA-core kinds
+    ],
+)
+def test_v3_plan_and_what_it_declines_to(kind, e, ev, want):
+    """v3 has its own dK/dV kernel at head dim 64 (16-bit kinds, E and Ev multiples of 8)
+    with v2's deterministic dQ; anything else gets exactly v2's plan (or v1's, as v2)."""
+    from arrayattn.attention.cuda import backward as bwd
+
+    plan = bwd.backward_plan(kind, e, ev, variant="v3")
+    assert plan.variant == want
+    if want != "v3":
+        assert plan == bwd.backward_plan(kind, e, ev, variant="v2")
+        return
+    v2 = bwd.backward_plan(kind, e, ev, variant="v2")
+    assert plan.dkdv.startswith("aa_bwd_dkdv_mma3<") and plan.dq == v2.dq
+    assert (plan.preprocess, plan.convert, plan.dq_smem) == (v2.preprocess, v2.convert, v2.dq_smem)
+    assert plan.dkdv_block_n == 128 and plan.dkdv_block_m == 128
+    assert bwd.kernel_file(plan.dkdv) == "attn_bwd_v3.cu" == bwd.SOURCE_V3
+    assert plan.dkdv in bwd.COMPILE_VARIANTS["attn_bwd_v3.cu"]
+    assert plan.dkdv not in bwd.COMPILE_VARIANTS["attn_bwd.cu"]
+    assert plan.dkdv in bwd.HOT_VARIANTS
+    # K, V; two stages of 128-row Q, dO; dS^T (128 x 136); two stages of lse2, delta
+    assert plan.dkdv_smem == (2 * 128 * 72 + 4 * 128 * 72 + 128 * 136) * 2 + 4 * 128 * 4
+    assert plan.dkdv_smem <= 227 * 1024
 
 
 @pytest.mark.parametrize("d", [64, 128])

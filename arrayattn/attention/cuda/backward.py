@@ -30,7 +30,11 @@ it, 64-row query steps run as register sub-steps). v2 covers float16/bfloat16 at
 head dims 64 and 128 with ``E`` and ``Ev`` multiples of 8 (16-byte copies), every option
 included; anything else (float32/float64, head dims 32/96/256, ``E``/``Ev`` not multiples
 of 8) runs v1's kernels under ``v2`` too (:func:`backward_plan` says which,
-``BackwardPlan.variant``).
+``BackwardPlan.variant``). ``v3`` (``attn_bwd_v3.cu``: ``aa_bwd_dkdv_mma3``) is v2 with the
+warp's K/V MMA fragments held in registers across the whole query loop, 128-row query
+steps (half the barriers) and a fully unrolled S/dP loop, at padded head dim 64 only (with
+v2's deterministic dQ kernel); elsewhere ``v3`` runs v2's plan (or v1's). Its sums run in
+v2's order: deterministic gradients are v2's bits. See ``bench/BACKWARD_KERNEL_NOTES.md``.
 
 **What runs in the kernels** (:func:`declines` gives the reason for anything else): CuPy
 arrays of float16 and bfloat16 (tensor cores, ``mma.sync`` m16n8k16, head dims up to 128;
@@ -50,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -84,11 +89,14 @@ __all__ = [
     "deterministic",
     "COMPILE_VARIANTS",
     "HOT_VARIANTS",
+    "kernel_file",
     "VARIANTS",
     "bwd_variant",
 ]
 
 SOURCE = "attn_bwd.cu"
+SOURCE_V3 = "attn_bwd_v3.cu"
+"""v3's dK/dV kernel (``aa_bwd_dkdv_mma3``); it includes ``attn_bwd.cu``."""
 NULL = np.uint64(0)
 """A null pointer argument for the kernels (CuPy passes a numpy scalar by value)."""
 
@@ -101,7 +109,7 @@ _KIND_TYPES = {
 _GRID_YZ_MAX = 65535
 _SIMT_HEAD_DIMS = (32, 64, 128, 256)
 _MMA_HEAD_DIMS = (32, 64, 96, 128)
-VARIANTS = ("v1", "v2")
+VARIANTS = ("v1", "v2", "v3")
 """The backward kernel variants ``ARRAYATTN_BWD_VARIANT`` selects (``v2`` the default)."""
 
 DEFAULT_VARIANT = "v2"
@@ -110,6 +118,7 @@ H200 (2026-11-26, 08:31 UTC) correct in every GPU backward test (both variants, 
 deterministic mode bit-identical over 10 runs) and 1.22-1.66x v1's speed (float16,
 L = 4096: D = 128 114 TFLOP/s against 69; PyTorch's flash backend 285)."""
 _V2_HEAD_DIMS = (64, 128)
+_V3_HEAD_DIMS = (64,)
 
 _DETERMINISTIC: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "arrayattn_deterministic",
@@ -194,7 +203,7 @@ class BackwardPlan:
     dq_block_n: int  # keys per step of that block
     dq_smem: int
     convert: str | None  # dQ accumulator -> query dtype (None: float32/float64 in place)
-    variant: str = "v1"  # the kernels' variant (v2 asked for may give a v1 plan)
+    variant: str = "v1"  # the kernels' variant (v2/v3 asked for may give an older plan)
 
 
 def _bucket(need: int, dims: Sequence[int]) -> int | None:
@@ -245,11 +254,31 @@ def _plan_v2(kind: str, d: int) -> BackwardPlan:
     )
 
 
+def _plan_v3(kind: str, d: int) -> BackwardPlan:
+    """The v3 plan at padded head dim ``d`` (64): ``aa_bwd_dkdv_mma3`` (the warp's K/V
+    fragments in registers for the whole block, 128-row query steps as 32-row register
+    sub-steps) and v2's deterministic dQ kernel."""
+    t, _ = _KIND_TYPES[kind]
+    nw, bm, bms = {64: (8, 128, 32)}[d]
+    bn, pitch = 16 * nw, d + 8
+    return dataclasses.replace(
+        _plan_v2(kind, d),
+        dkdv=f"aa_bwd_dkdv_mma3<{t}, {d}, {nw}, {bm}, {bms}>",
+        dkdv_threads=32 * nw,
+        dkdv_block_n=bn,
+        dkdv_block_m=bm,
+        # v2's layout (AaBwdMma2Smem) at BM = 128: K, V; two stages of Q, dO; dS^T; stats
+        dkdv_smem=(2 * bn * pitch + 4 * bm * pitch + bn * (bm + 8)) * 2 + 4 * bm * 4,
+        variant="v3",
+    )
+
+
 def backward_plan(kind: str, e: int, ev: int, variant: str | None = None) -> BackwardPlan | None:
     """The backward kernels for dtype ``kind`` and head dims ``e`` (query/key) and ``ev``
     (value), or ``None`` when no variant holds them (both above 256). ``variant``
-    (``"v1"``/``"v2"``; ``None``: :func:`bwd_variant`, the environment) picks the kernels;
-    ``"v2"`` gives v1's plan where v2 has no kernels (see the module docstring).
+    (``"v1"``/``"v2"``/``"v3"``; ``None``: :func:`bwd_variant`, the environment) picks the
+    kernels; ``"v2"`` gives v1's plan where v2 has no kernels (see the module docstring),
+    ``"v3"`` gives v2's plan (or v1's) where v3 has none (it has head dim 64 only).
 
     Examples:
         >>> p = backward_plan("float16", 128, 128, variant="v1")
@@ -259,6 +288,10 @@ def backward_plan(kind: str, e: int, ev: int, variant: str | None = None) -> Bac
         'aa_bwd_dkdv_mma2<AaF16, 128, 8, 64, 16>'
         >>> backward_plan("float16", 96, 96, variant="v2").variant
         'v1'
+        >>> backward_plan("float16", 64, 64, variant="v3").dkdv
+        'aa_bwd_dkdv_mma3<AaF16, 64, 8, 128, 32>'
+        >>> backward_plan("float16", 128, 128, variant="v3").variant
+        'v2'
     """
     if kind not in _KIND_TYPES:
         raise ValueError(f"kind must be one of {tuple(_KIND_TYPES)}, got {kind!r}")
@@ -271,8 +304,12 @@ def backward_plan(kind: str, e: int, ev: int, variant: str | None = None) -> Bac
     pre = f"aa_bwd_preprocess<{t}, {acc}>"
     if kind in ("float16", "bfloat16"):
         d = _bucket(need, _MMA_HEAD_DIMS)
-        # v2 copies rows in 16-byte pieces: E and Ev multiples of 8 (else v1 below).
-        if variant == "v2" and d in _V2_HEAD_DIMS and e % 8 == 0 and ev % 8 == 0:
+        # v2 and v3 copy rows in 16-byte pieces: E and Ev multiples of 8 (else v1 below).
+        # v3 has head dim 64 only; elsewhere it declines to v2's kernels (then v1's).
+        aligned = e % 8 == 0 and ev % 8 == 0
+        if variant == "v3" and d in _V3_HEAD_DIMS and aligned:
+            return _plan_v3(kind, d)
+        if variant in ("v2", "v3") and d in _V2_HEAD_DIMS and aligned:
             return _plan_v2(kind, d)
         if d is not None:
             # (warps, query rows per step): the largest tiles that compile without
@@ -336,22 +373,37 @@ def _all_plans() -> list[BackwardPlan]:
     for kind in ("float16", "bfloat16"):
         for d in _V2_HEAD_DIMS:
             plans.append(_plan_v2(kind, d))
+        for d in _V3_HEAD_DIMS:
+            plans.append(_plan_v3(kind, d))
     return plans
 
 
-def _variant_names() -> list[str]:
-    names: list[str] = []
+def kernel_file(name: str) -> str:
+    """The ``.cu`` file that defines the instantiation ``name`` (``attn_bwd_v3.cu`` for v3's
+    dK/dV kernel, else ``attn_bwd.cu``).
+
+    Examples:
+        >>> kernel_file("aa_bwd_dkdv_mma3<AaF16, 64, 8, 128, 32>")
+        'attn_bwd_v3.cu'
+        >>> kernel_file("aa_bwd_dq_mma2<AaF16, 64, 4, 64>")
+        'attn_bwd.cu'
+    """
+    return SOURCE_V3 if name.startswith("aa_bwd_dkdv_mma3<") else SOURCE
+
+
+def _variant_names() -> dict[str, list[str]]:
+    names: dict[str, list[str]] = {SOURCE: [], SOURCE_V3: []}
     for plan in _all_plans():
         for name in (plan.preprocess, plan.dkdv, plan.dq, plan.convert):
-            if name is not None and name not in names:
-                names.append(name)
+            if name is not None and name not in names[kernel_file(name)]:
+                names[kernel_file(name)].append(name)
     return names
 
 
-COMPILE_VARIANTS: dict[str, list[str]] = {SOURCE: _variant_names()}
+COMPILE_VARIANTS: dict[str, list[str]] = _variant_names()
 """Every backward instantiation, for ``.ci/compile_kernels.py`` (and the CPU emulator)."""
 
-HOT_VARIANTS: list[str] = [
+HOT_VARIANTS: list[str] = list(dict.fromkeys(
     name
     for variant in VARIANTS
     for kind in ("float16", "bfloat16")
@@ -360,9 +412,9 @@ HOT_VARIANTS: list[str] = [
         backward_plan(kind, d, d, variant).dkdv,  # type: ignore[union-attr]
         backward_plan(kind, d, d, variant).dq,  # type: ignore[union-attr]
     )
-]
+))
 """The variants the compile check fails on when they spill: float16/bfloat16 at D = 64, 128,
-v1's and v2's."""
+of every variant."""
 
 
 # -- the block schedule, mirrored from attn_bwd.cu for the host and the CPU tests -----------------
@@ -593,7 +645,7 @@ def _lengths(spec: AttentionSpec, x: Array | None) -> Array | None:
 def _cupy_launch(
     name: str, grid: tuple[int, int, int], threads: int, smem: int, args: tuple[Any, ...]
 ) -> None:
-    kernel = _loader.get_kernel(SOURCE, name, smem)
+    kernel = _loader.get_kernel(kernel_file(name), name, smem)
     kernel(grid, (threads,), args, shared_mem=smem)
 
 
