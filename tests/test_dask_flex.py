@@ -182,3 +182,22 @@ def test_packed_documents_build_no_task_for_empty_pairs() -> None:
     assert len(fwd_blocks) < len(causal_blocks)
     # The graphs of different masks (or none) never share a block task's key.
     assert not set(fwd_blocks) & set(causal_blocks)
+
+
+def test_full_pairs_run_without_the_mask_mod() -> None:
+    """A pair whose blocks are all full (and no score_mod) hands its chunk a spec without
+    the mask_mod, so the chunk's fastest path takes it; the result is unchanged."""
+    n, chunk = 64, 16
+    ids = np.repeat(np.arange(3), [32, 16, 16])  # documents on chunk boundaries
+    bm = create_block_mask(document_mask(ids), None, None, n, n, block_size=8)
+    x = rng.standard_normal((1, 2, n, E))
+    want = aa.scaled_dot_product_attention(x, x, x, block_mask=bm, implementation="composed")
+    dx = da.from_array(x, chunks=(1, 1, chunk, E))
+    out = aa.scaled_dot_product_attention(dx, dx, dx, block_mask=bm)
+    blocks = _block_keys(dict(out.__dask_graph__()), ("attn-blocks-", "attn-edge-blocks-"))
+    graph = dict(out.__dask_graph__())
+    flex_of = {k[-2:]: graph[k][1].call.flex for k in blocks}
+    assert sorted(flex_of) == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 2), (3, 3)]
+    assert all(f is None for f in flex_of.values())  # every pair is full here
+    with dask.config.set(scheduler="sync"):
+        _close(out.compute(), want, "out")

@@ -326,6 +326,20 @@ class _Plan:
         )
         return not bool(kinds.reshape((-1,) + kinds.shape[-2:]).any(axis=0).all())
 
+    def full(self, li: tuple[int, ...], hi: int, i: int, j: int) -> bool:
+        """True when the block mask says every block of pair ``(i, j)`` is full for every
+        batch and head of the cell."""
+        from ..block_mask import FULL
+
+        bm = self.spec.block_mask
+        if bm is None:
+            return False
+        r0, c0 = _starts(self.row_chunks)[i], _starts(self.col_chunks)[j]
+        kind = bm.tile_kind(
+            *self.cell_ids(li, hi), r0, r0 + self.row_chunks[i], c0, c0 + self.col_chunks[j]
+        )
+        return bool(kind == FULL)
+
     def cut_by_band(self, i: int, j: int) -> bool:
         """True when the causal/window band's edge crosses block ``(i, j)`` (or may: with
         per-sequence diagonals the band is data), so the block does less work than a full
@@ -351,8 +365,13 @@ class _Plan:
         return tuple(int(x) for x in ids)
 
     def block(self, li: tuple[int, ...], hi: int, i: int, j: int) -> _Block:
+        call = self.call
+        if call.flex is not None and call.flex.score_mod is None and self.full(li, hi, i, j):
+            # Every pair of the block takes part: the mask_mod would test nothing, and
+            # without it the chunk's fastest path (not only chunked/composed) takes it.
+            call = dataclasses.replace(call, flex=None)
         return _Block(
-            call=self.call,
+            call=call,
             batch_ids=self.batch_ids(li),
             head0=_starts(self.head_chunks)[hi],
             row0=_starts(self.row_chunks)[i],
