@@ -36,9 +36,7 @@ def _doc_lengths(n: int) -> list[int]:
 
 def _block_tasks(graph: dict, prefixes: tuple[str, ...]) -> int:
     return sum(
-        1
-        for k in graph
-        if isinstance(k, tuple) and len(k) == 5 and str(k[0]).startswith(prefixes)
+        1 for k in graph if isinstance(k, tuple) and len(k) == 5 and str(k[0]).startswith(prefixes)
     )
 
 
