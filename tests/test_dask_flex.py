@@ -77,12 +77,24 @@ def _close(got: Any, want: np.ndarray, what: str) -> None:
     np.testing.assert_allclose(got[fin], want[fin], rtol=TOL, atol=TOL, err_msg=what)
 
 
-@pytest.mark.parametrize("name", ["document causal", "prefix-LM", "window + global"])
-def test_flex_matches_numpy_composed(name: str) -> None:
+@pytest.mark.parametrize(
+    "name, alone",
+    [
+        ("document causal", False),
+        ("prefix-LM", False),
+        ("window + global", False),
+        ("window + global", True),  # the mask_mod alone: the call classifies it
+    ],
+)
+def test_flex_matches_numpy_composed(name: str, alone: bool) -> None:
     mod, extra = _case(name)
-    bm = create_block_mask(mod, B, None, L, L, block_size=8)
+    given = (
+        {"mask_mod": mod}
+        if alone
+        else {"block_mask": create_block_mask(mod, B, None, L, L, block_size=8)}
+    )
     q, k, v, d_out, d_lse = _operands()
-    options = dict(block_mask=bm, score_mod=relative_position_bias(TABLE), enable_gqa=True)
+    options = dict(given, score_mod=relative_position_bias(TABLE), enable_gqa=True)
     options.update(extra)
     want = _vjp(q, k, v, d_out, d_lse, implementation="composed", **options)
     dq, dk, dv = _dask(q, Q_CHUNKS), _dask(k, KV_CHUNKS), _dask(v, KV_CHUNKS)
@@ -201,3 +213,16 @@ def test_full_pairs_run_without_the_mask_mod() -> None:
     assert all(f is None for f in flex_of.values())  # every pair is full here
     with dask.config.set(scheduler="sync"):
         _close(out.compute(), want, "out")
+
+
+def test_dask_score_mod_table_is_refused() -> None:
+    """Each block applies the score_mod to its chunk: a Dask table cannot be read there."""
+    from arrayattn.attention.dask import declines
+    from arrayattn.attention.spec import make_spec
+
+    x = da.ones((1, 2, 8, 4), chunks=(1, 1, 4, 4))
+    smod = relative_position_bias(da.zeros((32, 2)))
+    spec = make_spec(
+        x, x, x, None, 0.0, False, None, False, "top_left", None, None, None, score_mod=smod
+    )
+    assert "score_mod" in (declines(spec) or "")

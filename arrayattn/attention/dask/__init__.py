@@ -107,7 +107,18 @@ def declines(spec: AttentionSpec) -> str | None:
         from ..._backend import library_name
 
         return f'implementation="dask" needs Dask arrays, got {library_name(spec.xp)} arrays'
+    if spec.score_mod is not None and any(is_dask_array(p) for p in spec.score_mod.params):
+        # (each block applies the score_mod to its chunk's scores: its table must be an
+        # array of the chunks' library, NumPy or CuPy, not a Dask array)
+        return (
+            'implementation="dask" needs the score_mod\'s parameters as arrays of the '
+            "chunks' library (e.g. NumPy), not Dask arrays"
+        )
     return None
+
+
+def is_dask_array(x: Any) -> bool:
+    return type(x).__module__.startswith("dask.")
 
 
 def _merge_task(level: int, group: list) -> tuple:
