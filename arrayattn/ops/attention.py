@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Literal, overload
 
 from .._autodiff import Pullback, register_vjp
-from .._backend import Array, known_shape
+from .._backend import Array, is_dask, known_shape
 from ..attention import composed as _composed
 from ..attention import implementations as _implementations  # noqa: F401  (registers them)
 from ..attention.block_mask import BlockMask
@@ -325,8 +325,12 @@ def _sdpa_vjp(
             # on every implementation, so it is computed once here.
             extra["sinks"] = _composed.sinks_gradient(spec, out, lse, d_out, d_lse)
         if spec.score_mod is not None and spec.score_mod.params:
-            # Likewise a score_mod's parameters (a bias table): one pass, any path.
-            extra["score_mod"] = _composed.score_mod_param_grads(
+            # Likewise a score_mod's parameters (a bias table): one pass, any path (on
+            # Dask arrays a graph of its own, one task per scheduled block pair).
+            param_grads = _composed.score_mod_param_grads
+            if is_dask(spec.xp):
+                from ..attention.dask import score_mod_param_grads as param_grads
+            extra["score_mod"] = param_grads(
                 spec, query, key, value, attn_mask, out, lse, d_out, d_lse
             )
         if not extra:

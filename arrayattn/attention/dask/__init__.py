@@ -23,6 +23,13 @@ builds the graph, and the graph has one task per block, not per element:
   by the workers' load rather than row by row.
 - Each task runs its chunk's path on one thread (``_fast_threads.one_thread``): Dask
   supplies the parallelism, one task per worker thread.
+- ``block_mask`` / ``mask_mod`` / ``score_mod`` (:mod:`arrayattn.flex`): a (query block,
+  key block) pair whose block-mask blocks are all empty for its batch and head chunk gets
+  no task, forward or backward (rows no task reaches are output 0, LSE -inf, or the
+  sink); the other blocks' specs carry the mask and the score_mod with the block's
+  origins, so the chunk's path evaluates partial blocks on global indices. A score_mod's
+  parameter gradients are one more task per scheduled pair and a tree sum
+  (:func:`score_mod_param_grads`).
 - ``sinks`` join each row once, merged into the row block's state after the key blocks;
   ``alibi_slopes`` are cut per head chunk and each block applies them on its own diagonal.
 - Rows whose LSE swallowed ``log(rowsum)`` (Hugging Face ``finfo.min`` float masks on a
@@ -63,13 +70,16 @@ from .tasks import (
     _merged_lse,
     _merged_output,
     _output,
+    _param_grad,
     _pick,
     _Picks,
     _row_delta,
     _row_factor,
     _row_total_block,
+    _score_mod_block,
     _sink_state,
     _sum_parts,
+    _sum_tuples,
     _zeros_like,
 )
 
@@ -97,9 +107,18 @@ def declines(spec: AttentionSpec) -> str | None:
         from ..._backend import library_name
 
         return f'implementation="dask" needs Dask arrays, got {library_name(spec.xp)} arrays'
-    if spec.flex:
-        return "mask_mod/score_mod (arrayattn.flex) are not on the Dask path yet"
+    if spec.score_mod is not None and any(is_dask_array(p) for p in spec.score_mod.params):
+        # (each block applies the score_mod to its chunk's scores: its table must be an
+        # array of the chunks' library, NumPy or CuPy, not a Dask array)
+        return (
+            'implementation="dask" needs the score_mod\'s parameters as arrays of the '
+            "chunks' library (e.g. NumPy), not Dask arrays"
+        )
     return None
+
+
+def is_dask_array(x: Any) -> bool:
+    return type(x).__module__.startswith("dask.")
 
 
 def _merge_task(level: int, group: list) -> tuple:
@@ -219,13 +238,13 @@ def forward(
     edge_name = "attn-edge-blocks-" + plan.token
     out_name, lse_name = "attn-out-" + plan.token, "attn-lse-" + plan.token
     out_dsk, lse_dsk = {}, {}
-    reach = plan.blocks()
     for li, hi in plan.grid():
+        reach = plan.reach(li, hi)  # (a block mask leaves out the pairs it says are empty)
         for i in range(len(plan.row_chunks)):
             qk = plan.q_key(li, hi, i)
             leaves = []
             for j in reach[i]:
-                key_ = (edge_name if plan.cut_by_band(i, j) else blk_name, *li, hi, i, j)
+                key_ = (edge_name if plan.light(li, hi, i, j) else blk_name, *li, hi, i, j)
                 dsk[key_] = (
                     _forward_block,
                     plan.block(li, hi, i, j),
@@ -324,20 +343,7 @@ def backward(
     """
     xp = spec.xp
     plan = _plan(spec, query, key, value, attn_mask, "bwd")
-    nd = plan.nd
-    rows = plan.lead_chunks + (plan.head_chunks, plan.row_chunks)
-    full_rows = spec.lead + (spec.Hq, spec.L)
-
-    def rows_of(x, width):
-        if x is None:
-            return None
-        shape = full_rows + (() if width is None else (width,))
-        x = xp.reshape(_pad(x, nd - (width is None)), shape)
-        chunks = rows + (() if width is None else ((width,),))
-        return x if tuple(x.chunks) == chunks else x.rechunk(chunks)
-
-    out_r, do_r = rows_of(out, spec.Ev), rows_of(d_out, spec.Ev)
-    lse_r, dl_r = rows_of(lse, None), rows_of(d_lse, None)
+    out_r, lse_r, do_r, dl_r = _row_arrays(plan, out, lse, d_out, d_lse)
 
     from dask.base import tokenize
 
@@ -367,6 +373,100 @@ def backward(
     return results[0], results[1], results[2], results[3]
 
 
+def _row_arrays(plan: _Plan, out: Array, lse: Array, d_out: Any, d_lse: Any) -> tuple:
+    """The output, LSE and their cotangents (``None`` stays ``None``) in the plan's row
+    chunks: ``(*lead, Hq, L[, Ev])`` cut like the output."""
+    spec, xp, nd = plan.spec, plan.spec.xp, plan.nd
+    rows = plan.lead_chunks + (plan.head_chunks, plan.row_chunks)
+    full_rows = spec.lead + (spec.Hq, spec.L)
+
+    def rows_of(x, width):
+        if x is None:
+            return None
+        shape = full_rows + (() if width is None else (width,))
+        x = xp.reshape(_pad(x, nd - (width is None)), shape)
+        chunks = rows + (() if width is None else ((width,),))
+        return x if tuple(x.chunks) == chunks else x.rechunk(chunks)
+
+    return rows_of(out, spec.Ev), rows_of(lse, None), rows_of(d_out, spec.Ev), rows_of(d_lse, None)
+
+
+def score_mod_param_grads(
+    spec: AttentionSpec,
+    query: Array,
+    key: Array,
+    value: Array,
+    attn_mask: Array | None,
+    out: Array,
+    lse: Array,
+    d_out: Array | None,
+    d_lse: Array | None,
+) -> tuple[Array, ...]:
+    """The gradients of a score_mod's parameters (a bias table) on Dask arrays, lazily:
+    one task per scheduled block pair (the pairs the forward and backward run; a block
+    mask's empty pairs have none) runs
+    :func:`~arrayattn.attention.composed.score_mod_param_grads` on its chunks, with the
+    block's origins, and a tree sums the parts in a fixed order (deterministic). Each
+    gradient is a one-chunk Dask array shaped like its parameter."""
+    import dask.array as da
+    from dask.base import tokenize
+    from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+
+    smod = spec.score_mod
+    if smod is None or not smod.params:
+        return ()
+    plan = _plan(spec, query, key, value, attn_mask, "smod")
+    row_arrays = _row_arrays(plan, out, lse, d_out, d_lse)
+    out_r, lse_r, do_r, dl_r = row_arrays
+    names_in = [None if a is None else a.name for a in row_arrays]
+    token = tokenize(plan.token, names_in)
+    name = "attn-smod-" + token
+    dsk: dict = {}
+    leaves = []
+    if do_r is not None or dl_r is not None:
+        for li, hi in plan.grid():
+            reach = plan.reach(li, hi)
+            for i in range(len(plan.row_chunks)):
+                rk = (*li, hi, i)
+                for j in reach[i]:
+                    key_ = (name, *li, hi, i, j)
+                    dsk[key_] = (
+                        _score_mod_block,
+                        plan.block(li, hi, i, j),
+                        plan.q_key(li, hi, i),
+                        plan.kv_key(plan.k, li, hi, j),
+                        plan.kv_key(plan.v, li, hi, j),
+                        plan.mask_key(li, hi, i, j),
+                        (out_r.name, *rk, 0),
+                        (lse_r.name, *rk),
+                        None if do_r is None else (do_r.name, *rk, 0),
+                        None if dl_r is None else (dl_r.name, *rk),
+                        plan.len_key(plan.q_len, li),
+                        plan.len_key(plan.kv_len, li),
+                        plan.head_key(plan.alibi, li, hi),
+                    )
+                    leaves.append(key_)
+    root = None
+    if leaves:
+        root = _tree(
+            dsk, name + "-sum", leaves, SUM_FAN_IN, lambda level, group: (_sum_tuples, *group)
+        )[0]
+    inputs = plan.inputs() + [a for a in row_arrays if a is not None]
+    layers, deps = _collect(inputs)
+    layers[name] = MaterializedLayer(dsk)
+    deps[name] = {a.name for a in inputs}
+    results = []
+    for n, prm in enumerate(smod.params):
+        g_name = f"{name}-grad{n}"
+        g_key = (g_name,) + (0,) * len(prm.shape)
+        layers[g_name] = MaterializedLayer({g_key: (_param_grad, n, prm, root)})
+        deps[g_name] = {name}
+        graph = HighLevelGraph(dict(layers), dict(deps))
+        chunks = tuple((int(d),) for d in prm.shape)
+        results.append(da.Array(graph, g_name, chunks, meta=prm[(slice(0, 0),) * prm.ndim]))
+    return tuple(results)
+
+
 def _row_factors(plan: _Plan, dsk: dict, blk_name: str, lse_name: str) -> dict:
     """Float masks may carry huge biases whose rows the one-process backward renormalises
     over the whole row; with several key blocks, a first pass sums those totals. Returns
@@ -374,8 +474,8 @@ def _row_factors(plan: _Plan, dsk: dict, blk_name: str, lse_name: str) -> dict:
     factors: dict = {}
     if plan.spec.mask_kind != "float" or len(plan.col_chunks) <= 1:
         return factors
-    reach = plan.blocks()
     for li, hi in plan.grid():
+        reach = plan.reach(li, hi)
         for i in range(len(plan.row_chunks)):
             rk = (*li, hi, i)
             totals = _row_totals(plan, dsk, blk_name, li, hi, i, reach[i], (lse_name, *rk))
@@ -394,9 +494,9 @@ def _backward_blocks(
     the rows' chunks (the cotangents may be ``None``). Returns, for each of the four
     inputs (query, key, value, mask), the block tasks that read each of its chunks."""
     out_r, lse_r, do_r, dl_r = row_arrays
-    reach = plan.blocks()
     readers: dict[int, dict[tuple, list]] = {0: {}, 1: {}, 2: {}, 3: {}}
     for li, hi in plan.grid():
+        reach = plan.reach(li, hi)
         # With several query blocks, a cell's backward starts once its whole forward has
         # (every row's LSE exists). Dask's static order otherwise interleaves the rows
         # (forward of row 0, its backward, forward of row 1, ...), so under causal

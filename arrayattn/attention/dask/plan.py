@@ -11,6 +11,9 @@ chunk. Gradients come back in these chunks.
 
 from __future__ import annotations
 
+import dataclasses
+import uuid
+import weakref
 from dataclasses import dataclass
 from itertools import product
 from typing import Any
@@ -20,6 +23,42 @@ import numpy as np
 from ..._backend import Array
 from ..spec import AttentionSpec, make_spec
 from ..structure import Structure
+
+_OBJECT_TOKENS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def _object_token(obj: Any) -> str | None:
+    """A token for ``obj`` that stays the same while it lives and is never another live
+    object's (mask_mods and score_mods hold closures and arrays: Dask could hash them
+    only by pickling, or not at all)."""
+    if obj is None:
+        return None
+    try:
+        tok = _OBJECT_TOKENS.get(obj)
+        if tok is None:
+            tok = _OBJECT_TOKENS[obj] = uuid.uuid4().hex
+        return tok
+    except TypeError:  # not weakly referenceable (or unhashable): a token of its own
+        return uuid.uuid4().hex
+
+
+@dataclass(frozen=True, eq=False)
+class _Flex:
+    """The call's structured mask and score modifier (``arrayattn.flex``), handed whole to
+    every block: the block mask's table and the mask_mod work in global indices, and a
+    block spec carries its origins (:meth:`AttentionSpec.as_block`)."""
+
+    block_mask: Any
+    mask_mod: Any
+    score_mod: Any
+
+    def __dask_tokenize__(self) -> tuple[Any, ...]:
+        return (
+            "arrayattn-flex",
+            _object_token(self.block_mask),
+            _object_token(self.mask_mod),
+            _object_token(self.score_mod),
+        )
 
 
 @dataclass(frozen=True)
@@ -37,6 +76,7 @@ class _Call:
     diagonal: int  # the global structure offset
     per_sequence_diagonal: bool  # bottom-right with lengths: kv_len - q_len per sequence
     offset_bounds: tuple[int, int] | None
+    flex: _Flex | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +128,14 @@ class _Block:
             kv_lengths=kv_loc,
             **per_head,
         )
+        if c.flex is not None:
+            # (not through make_spec: its check is against the whole call's shapes)
+            spec = dataclasses.replace(
+                spec,
+                block_mask=c.flex.block_mask,
+                mask_mod=c.flex.mask_mod,
+                score_mod=c.flex.score_mod,
+            )
         shift = self.row0 - self.col0
         offset_g = offset_range = None
         if c.per_sequence_diagonal:
@@ -173,6 +221,10 @@ class _Plan:
     token: str
     sinks: Array | None = None  # (*lead or 1s, Hq or 1), rechunked like the output
     alibi: Array | None = None
+    _reach: dict[int, list[int]] | None = None
+    _cell_reach: dict[tuple[Any, ...], dict[int, list[int]]] = dataclasses.field(
+        default_factory=dict
+    )
 
     # -- block keys of the (rechunked, padded) inputs ---------------------------------
     def _lead_idx(self, x: Array, li: tuple[int, ...]) -> tuple[int, ...]:
@@ -224,6 +276,70 @@ class _Plan:
             ]
         return reach
 
+    def reach(self, li: tuple[int, ...], hi: int) -> dict[int, list[int]]:
+        """:meth:`blocks` for the batch chunk ``li`` and head chunk ``hi``, less the key
+        blocks whose block-mask blocks are all empty for those batches and heads: such a
+        pair gets no task at all (rows no task reaches come out as output 0, LSE -inf)."""
+        if self._reach is None:
+            self._reach = self.blocks()
+        bm = self.spec.block_mask
+        if bm is None:
+            return self._reach
+        cached = self._cell_reach.get((li, hi))
+        if cached is not None:
+            return cached
+        from ..block_mask import EMPTY
+
+        batches, heads = self.cell_ids(li, hi)
+        row_starts, col_starts = _starts(self.row_chunks), _starts(self.col_chunks)
+        out = {}
+        for i, js in self._reach.items():
+            r0, r1 = row_starts[i], row_starts[i] + self.row_chunks[i]
+            out[i] = [
+                j
+                for j in js
+                if bm.tile_kind(
+                    batches, heads, r0, r1, col_starts[j], col_starts[j] + self.col_chunks[j]
+                )
+                != EMPTY
+            ]
+        self._cell_reach[(li, hi)] = out
+        return out
+
+    def cell_ids(self, li: tuple[int, ...], hi: int) -> tuple[list[int], slice]:
+        """The global flat batch indices and the query-head slice of a cell."""
+        h0 = _starts(self.head_chunks)[hi]
+        return list(self.batch_ids(li)), slice(h0, h0 + self.head_chunks[hi])
+
+    def light(self, li: tuple[int, ...], hi: int, i: int, j: int) -> bool:
+        """True when block ``(i, j)`` of the cell does less work than a full one: the
+        causal/window band crosses it (:meth:`cut_by_band`) or some of its block-mask
+        blocks are empty for every batch and head of the cell."""
+        if self.cut_by_band(i, j):
+            return True
+        bm = self.spec.block_mask
+        if bm is None:
+            return False
+        r0, c0 = _starts(self.row_chunks)[i], _starts(self.col_chunks)[j]
+        kinds = bm.blocks(
+            *self.cell_ids(li, hi), r0, r0 + self.row_chunks[i], c0, c0 + self.col_chunks[j]
+        )
+        return not bool(kinds.reshape((-1,) + kinds.shape[-2:]).any(axis=0).all())
+
+    def full(self, li: tuple[int, ...], hi: int, i: int, j: int) -> bool:
+        """True when the block mask says every block of pair ``(i, j)`` is full for every
+        batch and head of the cell."""
+        from ..block_mask import FULL
+
+        bm = self.spec.block_mask
+        if bm is None:
+            return False
+        r0, c0 = _starts(self.row_chunks)[i], _starts(self.col_chunks)[j]
+        kind = bm.tile_kind(
+            *self.cell_ids(li, hi), r0, r0 + self.row_chunks[i], c0, c0 + self.col_chunks[j]
+        )
+        return bool(kind == FULL)
+
     def cut_by_band(self, i: int, j: int) -> bool:
         """True when the causal/window band's edge crosses block ``(i, j)`` (or may: with
         per-sequence diagonals the band is data), so the block does less work than a full
@@ -235,21 +351,28 @@ class _Plan:
         r1, c1 = r0 + self.row_chunks[i], c0 + self.col_chunks[j]
         return not _composed.inside_band(self.spec, r0, r1, c0, c1)
 
-    def block(self, li: tuple[int, ...], hi: int, i: int, j: int) -> _Block:
+    def batch_ids(self, li: tuple[int, ...]) -> tuple[int, ...]:
+        """The global flat batch indices of batch chunk ``li``."""
         lead = self.spec.lead
+        if not lead:
+            return (0,)
         ranges = []
         for a in range(len(lead)):
             start = _starts(self.lead_chunks[a])[li[a]]
             ranges.append(np.arange(start, start + self.lead_chunks[a][li[a]]))
-        if lead:
-            grids = np.meshgrid(*ranges, indexing="ij")
-            ids = np.ravel_multi_index(tuple(g.ravel() for g in grids), lead)
-            batch_ids = tuple(int(x) for x in ids)
-        else:
-            batch_ids = (0,)
+        grids = np.meshgrid(*ranges, indexing="ij")
+        ids = np.ravel_multi_index(tuple(g.ravel() for g in grids), lead)
+        return tuple(int(x) for x in ids)
+
+    def block(self, li: tuple[int, ...], hi: int, i: int, j: int) -> _Block:
+        call = self.call
+        if call.flex is not None and call.flex.score_mod is None and self.full(li, hi, i, j):
+            # Every pair of the block takes part: the mask_mod would test nothing, and
+            # without it the chunk's fastest path (not only chunked/composed) takes it.
+            call = dataclasses.replace(call, flex=None)
         return _Block(
-            call=self.call,
-            batch_ids=batch_ids,
+            call=call,
+            batch_ids=self.batch_ids(li),
             head0=_starts(self.head_chunks)[hi],
             row0=_starts(self.row_chunks)[i],
             col0=_starts(self.col_chunks)[j],
@@ -344,6 +467,7 @@ def _plan(
         diagonal=st.offset,
         per_sequence_diagonal=spec.offset_g is not None,
         offset_bounds=spec.offset_bounds,
+        flex=_Flex(spec.block_mask, spec.mask_mod, spec.score_mod) if spec.flex else None,
     )
     names = [x.name for x in (q, k, v, mask, q_len, kv_len, *per_head) if x is not None]
     token = tokenize(tag, names, call, lead_chunks, head_chunks)
@@ -362,5 +486,6 @@ def _plan(
         col_chunks,
         call,
         token,
-        *per_head,
+        sinks=per_head[0],
+        alibi=per_head[1],
     )

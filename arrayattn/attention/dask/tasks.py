@@ -392,3 +392,47 @@ def _sum_parts(picks: _Picks, *parts: Any) -> Array:
 def _zeros_like(x):
     xp = _namespace(x)
     return xp.zeros_like(x)
+
+
+def _score_mod_block(
+    blk: _Block,
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Array | None,
+    out: Array,
+    lse: Array,
+    d_out: Array | None,
+    d_lse: Array | None,
+    q_len: Array | None,
+    kv_len: Array | None,
+    alibi: Array | None = None,
+) -> tuple[Array, ...]:
+    """One block pair's share of a score_mod's parameter gradients: ``dS`` of the block
+    recomputed from the saved row LSE (the whole row's) and the row's ``D = rowsum(dO *
+    O)``, handed to the score_mod (global indices through the block's origins)."""
+    from .. import composed as _composed
+    from ..threads import one_thread
+
+    _keep_freed_memory()
+    q, k, v, mask, out, d_out = _in_compute_dtype(q, k, v, mask, out, d_out)
+    spec = blk.spec(q, k, v, mask, q_len, kv_len, alibi)
+    lse = _namespace(lse).reshape(lse, spec.lse_shape)
+    with one_thread():
+        return _composed.score_mod_param_grads(spec, q, k, v, mask, out, lse, d_out, d_lse)
+
+
+def _sum_tuples(*parts: tuple[Array, ...]) -> tuple[Array, ...]:
+    """Elementwise sums of tuples of arrays, in the order given."""
+    totals = list(parts[0])
+    for p in parts[1:]:
+        totals = [t + x for t, x in zip(totals, p, strict=True)]
+    return tuple(totals)
+
+
+def _param_grad(n: int, param: Array, total: tuple[Array, ...] | None) -> Array:
+    """Parameter ``n``'s gradient from the summed parts (zeros when no block ran)."""
+    xp = _namespace(param)
+    if total is None:
+        return xp.zeros(param.shape, dtype=param.dtype)
+    return xp.astype(total[n], param.dtype)
