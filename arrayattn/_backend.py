@@ -168,8 +168,9 @@ def scatter_add(
         chunk = max(1, _SCATTER_ELEMENTS // max(1, size))
         out = xp.zeros((size,), dtype=values.dtype, device=dev)
         for i in range(0, n, chunk):
-            onehot = xp.astype(index[i : i + chunk, None] == slots, values.dtype)
-            out = out + xp.matmul(values[None, i : i + chunk], onehot)[0]
+            j = min(n, i + chunk)  # (slices past the end are unspecified in the array API)
+            onehot = xp.astype(index[i:j, None] == slots, values.dtype)
+            out = out + xp.matmul(values[None, i:j], onehot)[0, ...]
     return out if shape is None else xp.reshape(out, shape)
 
 

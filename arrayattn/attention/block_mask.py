@@ -376,16 +376,20 @@ def _evaluate(
     for i0 in range(0, nq, qblocks):
         i1 = min(nq, i0 + qblocks)
         r0 = int(q_edges[i0])
-        rows = xp.reshape(xp.arange(r0, r0 + (i1 - i0) * qb, dtype=xp.int32, **kw), (-1, 1))
+        # Indices past L or S (the ragged last blocks, padded to whole blocks here) are
+        # clipped to the last query/key: the mask_mod only ever sees indices of the call
+        # (it may index per-token arrays with them); their results are discarded below.
+        r_host = np.minimum(np.arange(r0, r0 + (i1 - i0) * qb), L - 1)
+        rows = xp.reshape(xp.asarray(r_host, dtype=xp.int32, **kw), (-1, 1))
         for j0 in range(0, nk, kblocks):
             j1 = min(nk, j0 + kblocks)
             c0 = int(k_edges[j0])
-            cols = xp.arange(c0, c0 + (j1 - j0) * kb, dtype=xp.int32, **kw)
+            c_host = np.minimum(np.arange(c0, c0 + (j1 - j0) * kb), S - 1)
+            cols = xp.asarray(c_host, dtype=xp.int32, **kw)
             got = to_host_numpy(mod_allowed(mod, b, h, rows, cols))
             got = np.broadcast_to(got, (B, H, rows.shape[0], cols.shape[0]))
-            # Pairs past L or S (the ragged last blocks, padded to whole blocks here)
-            # count as neither taking part nor not: they cannot make a block non-empty
-            # or non-full.
+            # Pairs past L or S count as neither taking part nor not: they cannot make a
+            # block non-empty or non-full.
             valid_r = (np.arange(r0, r0 + rows.shape[0]) < L)[:, None]
             valid_c = np.arange(c0, c0 + cols.shape[0]) < S
             valid = valid_r & valid_c

@@ -161,13 +161,16 @@ def flex_runs(
 def flex_tile(spec: AttentionSpec, r0: int, r1: int, c0: int, c1: int) -> tuple[bool, bool]:
     """``(visit, check_mod)`` for the block of rows ``[r0, r1)`` and keys ``[c0, c1)``:
     ``visit`` False when the block mask says it is empty (for every batch and head of
-    the call), ``check_mod`` False when it is full (or without a mask_mod)."""
+    the call), ``check_mod`` False when it is full (or without a mask_mod). A tile whose
+    visited runs are all full but leave out empty keys is tested: the mask_mod excludes
+    those keys (they are computed with the tile, which is not cut at its runs)."""
     if spec.mask_mod is None:
         return True, False
     runs = flex_runs(spec, r0, r1, c0, c1)
     if not runs:
         return False, False
-    return True, any(m for *_, m in runs)
+    covered = sum(b - a for a, b, _ in runs) == c1 - c0
+    return True, not covered or any(m for *_, m in runs)
 
 
 def flex_parts(
