@@ -241,7 +241,7 @@ def _classification_is_sound(mod, B, H, L, S, block):
 
 
 @settings(
-    max_examples=40,
+    max_examples=int(__import__("os").environ.get("FLEX_EXAMPLES", 40)),
     deadline=None,
     derandomize=True,
     database=None,
@@ -389,7 +389,10 @@ def test_empty_rows_zero_output_and_sink_lse() -> None:
 # -- other array libraries ------------------------------------------------------------------
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_other_libraries_match_numpy(backend, impl) -> None:
+    """The block mask built with ``xp=`` the library (document ids and the T5 table in
+    it), forward and pullback equal NumPy's."""
     if backend.name not in ("array_api_strict", "torch", "numpy"):
+        # (JAX eagerly gives the same to 1e-15 but compiles each op once: ~10 s of CI.)
         pytest.skip("composed/chunked flex paths checked on NumPy, array-api-strict, torch")
     q, k, v, rng = _problem(4)
     ids = np.sort(rng.integers(0, 3, (2, 23)), axis=-1)
