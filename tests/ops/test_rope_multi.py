@@ -298,7 +298,9 @@ def test_mrope_takes_what_rope_kwargs_from_config_returns():
     # equal positions on every axis: plain 1-D RoPE of the same ladder
     np.testing.assert_allclose(f, aa.rope_frequencies(positions=np.arange(5), **kw), rtol=1e-6)
     # a partial rotary factor: the sections count the rotated frequencies
-    half = aa.mrope_frequencies(128, pos, [8, 12, 12], theta=1e6, partial_rotary_factor=0.5)
+    half = aa.mrope_frequencies(
+        128, pos, [8, 12, 12], theta=1e6, partial_rotary_factor=0.5
+    )
     assert half.shape == (5, 32)
     with pytest.raises(ValueError, match="must sum to 32"):
         aa.mrope_frequencies(128, pos, [16, 24, 24], partial_rotary_factor=0.5)
