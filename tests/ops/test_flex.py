@@ -274,7 +274,11 @@ def test_hypothesis_block_mask_matches_dense_oracles(small_tiles, problem) -> No
     common = dict(score_mod=sm, return_lse=lse_wanted, **arrays, **opts)
     grads = {}
     for impl in IMPLEMENTATIONS:
-        for how, extra in (("block_mask", {"block_mask": bm}), ("dense", {"attn_mask": allowed})):
+        for how, extra in (
+            ("block_mask", {"block_mask": bm}),
+            ("mask_mod", {"mask_mod": bm.mask_mod}),
+            ("dense", {"attn_mask": allowed}),
+        ):
             got, pullback = aa.vjp(SDPA, q, k, v, implementation=impl, **extra, **common)
             out, lse = got if lse_wanted else (got, None)
             if lse is not None:
