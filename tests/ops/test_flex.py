@@ -393,6 +393,35 @@ def test_empty_rows_zero_output_and_sink_lse() -> None:
         np.testing.assert_allclose(lse[:, :, 4:], np.broadcast_to(sinks[:, None], (2, 4, 4)))
 
 
+def test_tile_of_full_and_empty_blocks_is_tested(monkeypatch) -> None:
+    """A chunked tile whose visited blocks are all full but which also spans empty ones
+    must test the mask_mod (it once attended the empty blocks' keys)."""
+    monkeypatch.setattr(chunked, "BLOCK_Q", 3)
+    monkeypatch.setattr(chunked, "BLOCK_K", 4)
+    q, k, v, _ = _problem(9, B=1, Hq=1, Hkv=1, L=4, S=2)
+    bm = flex.create_block_mask(flex.global_tokens_mask(1), None, None, 4, 2, block_size=1)
+    assert bm.to_string() == "##\n#.\n#.\n#."
+    dense = dense_mask(bm.mask_mod, 1, 1, 4, 2)
+    want = reference(q, k, v, allowed=dense)
+    for impl in IMPLEMENTATIONS:
+        out, lse = SDPA(q, k, v, block_mask=bm, return_lse=True, implementation=impl)
+        np.testing.assert_allclose(out, want[0], **TOL, err_msg=impl)
+        np.testing.assert_allclose(lse, want[1], **TOL, err_msg=impl)
+
+
+def test_plain_mask_mod_sees_only_the_calls_indices() -> None:
+    """Ragged last blocks are evaluated without indices past L or S, so a plain function
+    may index per-token arrays (FlexAttention's ``doc[q_idx] == doc[kv_idx]``)."""
+    doc = np.repeat(np.arange(3), [4, 6, 3])  # 13 tokens, blocks of 5
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    got = flex.create_block_mask(same_doc, None, None, 13, 13, block_size=5)
+    want = flex.create_block_mask(flex.document_mask(doc), None, None, 13, 13, block_size=5)
+    np.testing.assert_array_equal(got.kinds, want.kinds)
+
+
 # -- other array libraries ------------------------------------------------------------------
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_other_libraries_match_numpy(backend, impl) -> None:
