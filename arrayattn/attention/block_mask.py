@@ -213,7 +213,7 @@ def key_runs(
     if cached is not None:
         return cached
     blk = bm.blocks(batches, heads, r0, r1, c0, c1)
-    nonempty = blk.reshape(-1, blk.shape[-2], blk.shape[-1]).any(axis=(0, 1))
+    nonempty = np.asarray(blk.reshape(-1, blk.shape[-2], blk.shape[-1]).any(axis=(0, 1)))
     full = (blk == FULL).reshape(-1, blk.shape[-2], blk.shape[-1]).all(axis=(0, 1))
     first = c0 // bm.KV_BLOCK
     runs: list[tuple[int, int, bool]] = []
@@ -305,9 +305,9 @@ def create_block_mask(
     for name, v in (("L", L), ("S", S)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
             raise ValueError(f"{name} must be an int >= 0, got {v!r}")
-    for name, v in (("B", B), ("H", H)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
-            raise ValueError(f"{name} must be an int >= 1 or None (broadcast), got {v!r}")
+    for name, n in (("B", B), ("H", H)):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1):
+            raise ValueError(f"{name} must be an int >= 1 or None (broadcast), got {n!r}")
     if isinstance(block_size, (tuple, list)):
         if len(block_size) != 2:
             raise ValueError(f"block_size must be an int or a pair of ints, got {block_size!r}")

@@ -77,7 +77,7 @@ class ScoreMod:
         self._grad = grad
         self.params = tuple(params)
         self._param_grads = param_grads
-        self.name = name or getattr(fn, "__name__", "score_mod")
+        self.name = str(name or getattr(fn, "__name__", "score_mod"))
         self.differentiable = differentiable
 
     def __call__(self, score: Array, b: Array, h: Array, q_idx: Array, kv_idx: Array) -> Array:

@@ -1,0 +1,281 @@
+"""The NumPy fast path's structured masks and score modifiers (``arrayattn.flex``).
+
+One :class:`FlexPlan` per call answers, for a tile of rows and heads of one batch, which
+key runs it must visit (empty key blocks skipped), which of them need the mask_mod
+(partial blocks) and which need no test at all (full blocks); and it evaluates the
+mask_mod and the score_mod on a tile's NumPy index arrays, always in global positions
+(a block of a larger call adds ``spec.row0``/``col0``, ``head0`` and its batch ids), so
+the results do not depend on how a call is cut.
+
+The block mask's table is reduced once per (batch, head range) to two boolean
+``(nq, nk)`` tables (some pair of the block takes part / every pair does); row groups
+are then planned from those tables with a handful of NumPy operations, never pair by
+pair.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import mask_mods as mm
+from ..block_mask import FULL, mod_allowed
+from ..spec import AttentionSpec
+from ..structure import Structure
+from .layout import _blocked_out
+
+__all__ = ["FlexPlan", "Run", "MERGE_SLACK"]
+
+Run = tuple[int, int, bool]
+"""``(a, b, masked)``: keys ``[a, b)`` to visit; ``masked``: the mask_mod is evaluated."""
+
+MERGE_SLACK = 1.2
+"""Consecutive query blocks share a tile while the keys their union visits cost at most
+this much more than visiting each block's own keys (a tile that crosses a document
+boundary would otherwise compute the previous document's keys for the next one's rows)."""
+
+
+class FlexPlan:
+    """What the fast path needs of ``spec``'s mask_mod, block mask and score_mod."""
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        self.spec = spec
+        self.mod = spec.mask_mod
+        self.bm: Any = spec.block_mask if spec.mask_mod is not None else None
+        self.smod = spec.score_mod
+        self.rows = np.arange(spec.row0, spec.row0 + spec.L, dtype=np.int32).reshape(-1, 1)
+        self.cols = np.arange(spec.col0, spec.col0 + spec.S, dtype=np.int32)
+        self._tables: dict[tuple[Any, Any], tuple[np.ndarray, np.ndarray]] = {}
+        self._heads: dict[tuple[int, int], np.ndarray] = {}
+        self._batch: dict[int, np.ndarray] = {}
+
+    # -- indices ---------------------------------------------------------------------
+    def batch_id(self, bi: int) -> int:
+        return int(self.spec.original_ids(bi, 0)[0])
+
+    def indices(
+        self, bi: int, h0: int, h1: int, r0: int, r1: int, c0: int, c1: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(b, h, q_idx, kv_idx)`` int32 global indices of a tile, shaped ``(1, 1, 1)``,
+        ``(heads, 1, 1)``, ``(rows, 1)`` and ``(keys,)``."""
+        b = self._batch.get(bi)
+        if b is None:
+            b = np.full((1, 1, 1), self.batch_id(bi), np.int32)
+            self._batch[bi] = b
+        h = self._heads.get((h0, h1))
+        if h is None:
+            h0g = self.spec.head0 + h0
+            h = np.arange(h0g, h0g + (h1 - h0), dtype=np.int32).reshape(-1, 1, 1)
+            self._heads[(h0, h1)] = h
+        return b, h, self.rows[r0:r1], self.cols[c0:c1]
+
+    def allowed(self, bi: int, h0: int, h1: int, r0: int, r1: int, c0: int, c1: int) -> Any:
+        """The mask_mod on a tile (NumPy bool, broadcastable to ``(heads, rows, keys)``)."""
+        out = mod_allowed(self.mod, *self.indices(bi, h0, h1, r0, r1, c0, c1))
+        if not isinstance(out, np.ndarray):
+            raise TypeError(
+                f"mask_mod {self.mod!r} returned a {type(out).__name__} on NumPy index "
+                "arrays: the NumPy fast path needs NumPy results"
+            )
+        return out
+
+    def mask(self, s3: np.ndarray, scratch: np.ndarray, bi: int, h0: int, h1: int,
+             r0: int, r1: int, c0: int, c1: int) -> None:  # fmt: skip
+        """``s3`` (``(heads, rows, keys)``) set to ``-inf`` where the mask_mod excludes
+        (``scratch``: a bool buffer shaped like ``s3``)."""
+        spec = self.spec
+        excluded = _excluded(
+            self.mod, self, bi, r0 + spec.row0, r1 + spec.row0, c0 + spec.col0,
+            c1 + spec.col0, scratch[0],
+        )  # fmt: skip
+        if excluded is _GENERIC:
+            allowed = self.allowed(bi, h0, h1, r0, r1, c0, c1)
+            excluded = np.logical_not(allowed, out=scratch)
+        if excluded is not None:
+            np.copyto(s3, -np.inf, where=excluded)
+
+    def score(self, s3: np.ndarray, bi: int, h0: int, h1: int, r0: int, r1: int,
+              c0: int, c1: int, grad: bool = False) -> np.ndarray | None:  # fmt: skip
+        """Apply the score_mod to ``s3`` (``(heads, rows, keys)``) in place; with
+        ``grad``, return its derivative at the old scores (``None``: 1 everywhere)."""
+        smod = self.smod
+        idx = self.indices(bi, h0, h1, r0, r1, c0, c1)
+        d = None
+        if grad and smod.differentiable:
+            g = smod.grad(s3, *idx)
+            if g is not None:
+                d = np.asarray(g)
+                if d.dtype != s3.dtype or np.may_share_memory(d, s3):  # (s3 changes next)
+                    d = d.astype(s3.dtype)
+        res = smod(s3, *idx)
+        if res is not s3:
+            if not isinstance(res, (np.ndarray, np.generic)):
+                raise TypeError(
+                    f"score_mod {smod!r} returned a {type(res).__name__} on NumPy arrays: "
+                    "the NumPy fast path needs NumPy results"
+                )
+            np.copyto(s3, res, casting="unsafe")
+        return d
+
+    # -- block lookups ---------------------------------------------------------------
+    def _table(self, bi: int, h0: int, h1: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(nonempty, full)`` bool ``(nq, nk)`` for batch ``bi`` and heads ``[h0, h1)``
+        (nonempty for any of the heads, full for all of them)."""
+        bm = self.bm
+        assert bm is not None
+        kinds = bm.kinds
+        bkey = None if kinds.shape[0] == 1 else self.batch_id(bi)
+        hkey = None if kinds.shape[1] == 1 else (self.spec.head0 + h0, self.spec.head0 + h1)
+        key = (bkey, hkey)
+        got = self._tables.get(key)
+        if got is None:
+            k = kinds[0 if bkey is None else bkey]
+            k = k[:1] if hkey is None else k[hkey[0] : hkey[1]]
+            got = ((k != 0).any(axis=0), (k == FULL).all(axis=0))
+            self._tables[key] = got
+        return got
+
+    def row_groups(
+        self, bi: int, h0: int, h1: int, r0: int, r1: int, c0: int, c1: int, max_rows: int
+    ) -> list[tuple[int, int, list[Run]]]:
+        """Rows ``[r0, r1)`` and keys ``[c0, c1)`` of a tile as groups
+        ``(ra, rb, runs)`` of at most ``max_rows`` rows: rows that see no key are left
+        out; consecutive query blocks share a group while that costs little
+        (:data:`MERGE_SLACK`)."""
+        if r1 <= r0 or c1 <= c0:
+            return []
+        if self.bm is None:
+            runs = [(c0, c1, self.mod is not None)]
+            return [(a, b, runs) for a, b in _spans(r0, r1, max_rows)]
+        spec, bm = self.spec, self.bm
+        qb, kb = bm.Q_BLOCK, bm.KV_BLOCK
+        g0, g1 = r0 + spec.row0, r1 + spec.row0
+        qa, qz = g0 // qb, -(-g1 // qb)
+        ka, kz = (c0 + spec.col0) // kb, -(-(c1 + spec.col0) // kb)
+        ne_t, fu_t = self._table(bi, h0, h1)
+        ne = ne_t[qa:qz, ka:kz]
+        fu = fu_t[qa:qz, ka:kz]
+        # Widths of the key blocks, clipped to [c0, c1) (the first and last may be cut).
+        edges = np.clip(np.arange(ka, kz + 1) * kb - spec.col0, c0, c1)
+        widths = np.diff(edges)
+        cost = ne @ widths  # keys each query block visits
+        groups: list[tuple[int, int, np.ndarray, np.ndarray, float]] = []
+        for i in np.flatnonzero(cost):
+            ra = max(r0, (qa + int(i)) * qb - spec.row0)
+            rb = min(r1, (qa + int(i) + 1) * qb - spec.row0)
+            n = rb - ra
+            own = float(cost[i]) * n
+            if groups:
+                pa, pb, pne, pfu, pcost = groups[-1]
+                if pb == ra and rb - pa <= max_rows:
+                    une = pne | ne[i]
+                    if float(une @ widths) * (rb - pa) <= MERGE_SLACK * (pcost + own):
+                        groups[-1] = (pa, rb, une, pfu & fu[i], pcost + own)
+                        continue
+            groups.append((ra, rb, ne[i], fu[i], own))
+        out = []
+        for ra, rb, gne, gfu, _ in groups:
+            runs = _runs(gne, gfu, edges)
+            for a, b in _spans(ra, rb, max_rows):
+                out.append((a, b, runs))
+        return out
+
+    def runs(self, bi: int, h0: int, h1: int, r0: int, r1: int, c0: int, c1: int) -> list[Run]:
+        """The key runs rows ``[r0, r1)`` visit within ``[c0, c1)`` (all of them as one
+        group)."""
+        if r1 <= r0 or c1 <= c0:
+            return []
+        if self.bm is None:
+            return [(c0, c1, self.mod is not None)]
+        spec, bm = self.spec, self.bm
+        qb, kb = bm.Q_BLOCK, bm.KV_BLOCK
+        qa, qz = (r0 + spec.row0) // qb, -(-(r1 + spec.row0) // qb)
+        ka, kz = (c0 + spec.col0) // kb, -(-(c1 + spec.col0) // kb)
+        ne_t, fu_t = self._table(bi, h0, h1)
+        ne = np.asarray(ne_t[qa:qz, ka:kz].any(axis=0))
+        fu = np.asarray(fu_t[qa:qz, ka:kz].all(axis=0))
+        edges = np.clip(np.arange(ka, kz + 1) * kb - spec.col0, c0, c1)
+        return _runs(ne, fu, edges)
+
+
+_GENERIC: Any = object()
+"""Returned by :func:`_excluded` for a mask_mod it has no NumPy shortcut for."""
+
+
+def _excluded(
+    mod: Any, plan: FlexPlan, bi: int, g0: int, g1: int, k0: int, k1: int, scratch: Any
+) -> Any:
+    """The pairs a built-in mask_mod excludes from global rows ``[g0, g1)`` and keys
+    ``[k0, k1)``, as a bool array broadcastable to ``(rows, keys)`` (in ``scratch`` when
+    given, else new or a cached read-only pattern), ``None`` when it excludes nothing, or
+    :data:`_GENERIC` when ``mod`` has no shortcut (then it is called on index arrays).
+
+    The shortcuts read what the built-ins hold on the host (document ids, bounds) and
+    slice them (indices are contiguous), and reuse the fast path's cached band patterns:
+    a block that lies within one document of a causal document mask is just the causal
+    pattern, with no document id compared."""
+    if isinstance(mod, mm._Noop):
+        return None
+    if isinstance(mod, mm._Window):
+        return _blocked_out(Structure(mod.offset, mod.left, mod.right), g0, g1, k0, k1)
+    if isinstance(mod, mm._Global):
+        rows = plan.rows[g0 - plan.spec.row0 : g1 - plan.spec.row0] >= mod.n
+        cols = plan.cols[k0 - plan.spec.col0 : k1 - plan.spec.col0] >= mod.n
+        return np.logical_and(rows, cols, out=scratch)
+    if isinstance(mod, mm._Document):
+        qh, kh = mod._host
+        if qh.ndim == 2:
+            qh = qh[plan.batch_id(bi) if qh.shape[0] > 1 else 0]
+        if kh.ndim == 2:
+            kh = kh[plan.batch_id(bi) if kh.shape[0] > 1 else 0]
+        qd, kd = qh[g0:g1], kh[k0:k1]
+        band = _blocked_out(Structure(0, -1, 0), g0, g1, k0, k1) if mod.causal else None
+        q_lo, q_hi, k_lo, k_hi = qd.min(), qd.max(), kd.min(), kd.max()
+        if q_lo == q_hi == k_lo == k_hi:  # one document: the causal band (or nothing)
+            return band
+        out = np.not_equal(qd[:, None], kd[None, :], out=scratch)
+        if band is not None:
+            np.logical_or(out, band, out=out)
+        return out
+    if isinstance(mod, mm._Combined):
+        parts = [_excluded(m, plan, bi, g0, g1, k0, k1, None) for m in mod.mods]
+        if any(p is _GENERIC for p in parts):
+            return _GENERIC
+        out = None
+        for p in parts:
+            if mod.op == "and":  # excluded by any part
+                if p is None:
+                    continue
+                out = p if out is None else np.logical_or(out, p)
+            else:  # excluded by every part
+                if p is None:
+                    return None
+                out = p if out is None else np.logical_and(out, p)
+        if out is not None and scratch is not None:
+            np.copyto(scratch, out)  # (cached patterns stay read-only)
+            return scratch
+        return out
+    return _GENERIC
+
+
+def _runs(ne: np.ndarray, fu: np.ndarray, edges: np.ndarray) -> list[Run]:
+    """Runs of consecutive non-empty key blocks of one kind (full, or not) from per-block
+    flags and the blocks' (clipped) edges."""
+    code = np.where(ne, np.where(fu, 2, 1), 0)
+    if code.size == 0:
+        return []
+    change = np.flatnonzero(code[1:] != code[:-1]) + 1
+    starts = [0, *change.tolist()]
+    stops = [*change.tolist(), code.size]
+    out: list[Run] = []
+    for s, e in zip(starts, stops, strict=True):
+        c = int(code[s])
+        a, b = int(edges[s]), int(edges[e])
+        if c and b > a:
+            out.append((a, b, c == 1))
+    return out
+
+
+def _spans(start: int, stop: int, step: int) -> list[tuple[int, int]]:
+    return [(a, min(a + step, stop)) for a in range(start, stop, step)]
