@@ -15,12 +15,14 @@ pair.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any
 
 import numpy as np
 
 from .. import mask_mods as mm
-from ..block_mask import FULL, mod_allowed
+from ..block_mask import FULL, create_block_mask, mod_allowed
 from ..spec import AttentionSpec
 from ..structure import Structure
 from .layout import _blocked_out
@@ -30,7 +32,7 @@ __all__ = ["FlexPlan", "Run", "MERGE_SLACK"]
 Run = tuple[int, int, bool]
 """``(a, b, masked)``: keys ``[a, b)`` to visit; ``masked``: the mask_mod is evaluated."""
 
-MERGE_SLACK = 1.2
+MERGE_SLACK = 1.5
 """Consecutive query blocks share a tile while the keys their union visits cost at most
 this much more than visiting each block's own keys (a tile that crosses a document
 boundary would otherwise compute the previous document's keys for the next one's rows)."""
@@ -42,13 +44,19 @@ class FlexPlan:
     def __init__(self, spec: AttentionSpec) -> None:
         self.spec = spec
         self.mod = spec.mask_mod
-        self.bm: Any = spec.block_mask if spec.mask_mod is not None else None
+        bm = spec.block_mask if spec.mask_mod is not None else None
+        # Planning reads a finer table than the user's where the mask_mod classifies
+        # blocks from index ranges (the built-ins): fewer pairs computed outside the
+        # mask (a query block that crosses a document boundary) and fewer evaluated.
+        self.bm: Any = None if bm is None else _fine(bm)
         self.smod = spec.score_mod
         self.rows = np.arange(spec.row0, spec.row0 + spec.L, dtype=np.int32).reshape(-1, 1)
         self.cols = np.arange(spec.col0, spec.col0 + spec.S, dtype=np.int32)
         self._tables: dict[tuple[Any, Any], tuple[np.ndarray, np.ndarray]] = {}
         self._heads: dict[tuple[int, int], np.ndarray] = {}
         self._batch: dict[int, np.ndarray] = {}
+        self._docs: dict[int, dict[int, tuple[int, int] | None]] = {}
+        self._starts: dict[int, np.ndarray] = {}
 
     # -- indices ---------------------------------------------------------------------
     def batch_id(self, bi: int) -> int:
@@ -119,6 +127,57 @@ class FlexPlan:
         return d
 
     # -- block lookups ---------------------------------------------------------------
+    def _one_document(self, bi: int, r0: int, r1: int, c0: int, c1: int) -> list[Run] | None:
+        """Exact runs for rows ``[r0, r1)`` that all belong to one document of a
+        built-in document mask whose keys of that document are one contiguous run:
+        those keys only, full up to the diagonal of the first row when causal, the
+        diagonal band partial (its mask is then the cached causal pattern). ``None``
+        when that does not apply (other mask_mods, rows of several documents)."""
+        mod = self.mod
+        if not isinstance(mod, mm._Document):
+            return None
+        spec = self.spec
+        g0, g1 = r0 + spec.row0, r1 + spec.row0
+        qh, kh = mod._host
+        bid = self.batch_id(bi)
+        qrow = qh if qh.ndim == 1 else qh[bid if qh.shape[0] > 1 else 0]
+        if qrow[g0] != qrow[g1 - 1]:
+            return None
+        qd = qrow[g0:g1]
+        d = int(qd[0])
+        if qd.min() != d or qd.max() != d:
+            return None
+        span = self._doc_keys(mod, kh if kh.ndim == 1 else kh[bid if kh.shape[0] > 1 else 0],
+                              0 if kh.ndim == 1 or kh.shape[0] == 1 else bid, d)  # fmt: skip
+        if span is None:
+            return None
+        lo, hi = max(c0, span[0] - spec.col0), min(c1, span[1] - spec.col0)
+        if not mod.causal:
+            return [(lo, hi, False)] if hi > lo else []
+        full_hi = min(hi, g0 + 1 - spec.col0)  # keys <= the first row's position
+        band_hi = min(hi, g1 - spec.col0)  # keys <= the last row's position
+        runs: list[Run] = []
+        if full_hi > lo:
+            runs.append((lo, full_hi, False))
+        if band_hi > max(lo, full_hi):
+            runs.append((max(lo, full_hi), band_hi, True))
+        return runs
+
+    def _doc_keys(self, mod: Any, kh: np.ndarray, key: int, d: int) -> tuple[int, int] | None:
+        """``[first, last + 1)`` of document ``d`` in the key ids ``kh`` when its keys are
+        contiguous there, else ``None`` (cached per call)."""
+        cache = self._docs.get(key)
+        if cache is None:
+            # Run starts and ids of the packed sequence: one pass, then dict lookups.
+            starts = np.flatnonzero(np.concatenate(([True], kh[1:] != kh[:-1])))
+            ids = kh[starts].tolist()
+            stops = [*starts[1:].tolist(), int(kh.shape[0])]
+            cache = {}
+            for i, a, b in zip(ids, starts.tolist(), stops, strict=True):
+                cache[i] = None if i in cache else (a, b)  # a second run: not contiguous
+            self._docs[key] = cache
+        return cache.get(d)
+
     def _table(self, bi: int, h0: int, h1: int) -> tuple[np.ndarray, np.ndarray]:
         """``(nonempty, full)`` bool ``(nq, nk)`` for batch ``bi`` and heads ``[h0, h1)``
         (nonempty for any of the heads, full for all of them)."""
@@ -174,12 +233,36 @@ class FlexPlan:
                         groups[-1] = (pa, rb, une, pfu & fu[i], pcost + own)
                         continue
             groups.append((ra, rb, ne[i], fu[i], own))
+        cuts = self._document_starts(bi, r0, r1)
         out = []
         for ra, rb, gne, gfu, _ in groups:
-            runs = _runs(gne, gfu, edges)
-            for a, b in _spans(ra, rb, max_rows):
-                out.append((a, b, runs))
+            # A document mask: rows of different documents never share a group (each
+            # then visits exactly its own document's keys, _one_document).
+            parts = [(ra, rb)]
+            if cuts is not None:
+                inner = cuts[(cuts > ra) & (cuts < rb)].tolist()
+                parts = list(zip([ra, *inner], [*inner, rb], strict=True))
+            for pa, pb in parts:
+                trimmed = self._one_document(bi, pa, pb, c0, c1)
+                runs = _runs(gne, gfu, edges) if trimmed is None else trimmed
+                if runs:
+                    out.extend((a, b, runs) for a, b in _spans(pa, pb, max_rows))
         return out
+
+    def _document_starts(self, bi: int, r0: int, r1: int) -> np.ndarray | None:
+        """Local rows of ``[r0, r1)`` where a new document starts (a built-in document
+        mask), else ``None``."""
+        mod = self.mod
+        if not isinstance(mod, mm._Document):
+            return None
+        qh = mod._host[0]
+        key = 0 if qh.ndim == 1 or qh.shape[0] == 1 else self.batch_id(bi)
+        starts = self._starts.get(key)
+        if starts is None:
+            row = qh if qh.ndim == 1 else qh[key]
+            starts = np.flatnonzero(row[1:] != row[:-1]) + 1 - self.spec.row0
+            self._starts[key] = starts
+        return starts
 
     def runs(self, bi: int, h0: int, h1: int, r0: int, r1: int, c0: int, c1: int) -> list[Run]:
         """The key runs rows ``[r0, r1)`` visit within ``[c0, c1)`` (all of them as one
@@ -188,6 +271,9 @@ class FlexPlan:
             return []
         if self.bm is None:
             return [(c0, c1, self.mod is not None)]
+        trimmed = self._one_document(bi, r0, r1, c0, c1)
+        if trimmed is not None:
+            return trimmed
         spec, bm = self.spec, self.bm
         qb, kb = bm.Q_BLOCK, bm.KV_BLOCK
         qa, qz = (r0 + spec.row0) // qb, -(-(r1 + spec.row0) // qb)
@@ -257,6 +343,32 @@ def _excluded(
             return scratch
         return out
     return _GENERIC
+
+
+FINE_BLOCKS = (64, 32)
+"""Query and key block sizes of the finer table the fast path plans with, for mask_mods
+classified from index ranges (at most the block mask's own sizes)."""
+_FINE_ENTRIES = 1 << 24
+"""Largest finer table (entries, int8); above it the block mask's own table is used."""
+_FINE: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_FINE_LOCK = threading.Lock()
+
+
+def _fine(bm: Any) -> Any:
+    """``bm``, or a finer block mask of the same mask_mod (cached with ``bm``) when its
+    mask_mod classifies blocks from ranges alone (no pair is evaluated to build it)."""
+    qb, kb = min(bm.Q_BLOCK, FINE_BLOCKS[0]), min(bm.KV_BLOCK, FINE_BLOCKS[1])
+    if (qb, kb) == (bm.Q_BLOCK, bm.KV_BLOCK) or not mm.classifiable(bm.mask_mod):
+        return bm
+    B, H, L, S = bm.shape
+    if bm.kinds.shape[0] * bm.kinds.shape[1] * -(-L // qb) * -(-S // kb) > _FINE_ENTRIES:
+        return bm
+    with _FINE_LOCK:
+        fine = _FINE.get(bm)
+        if fine is None:
+            fine = create_block_mask(bm.mask_mod, B, H, L, S, block_size=(qb, kb), xp=np)
+            _FINE[bm] = fine
+    return fine
 
 
 def _runs(ne: np.ndarray, fu: np.ndarray, edges: np.ndarray) -> list[Run]:
