@@ -236,6 +236,15 @@ def test_cross_attention_shapes_and_ragged_blocks():
     check(sliding_window_mask(20, 20, offset=30), L=57, S=131, block_size=(13, 50))
 
 
+def test_cross_attention_documents_missing_and_split_documents():
+    q_ids = np.repeat([0, 1, 2, 3], [10, 20, 15, 12]).astype(np.int32)  # L = 57
+    kv_ids = np.repeat([0, 2, 3, 4], [40, 30, 31, 30]).astype(np.int32)  # S = 131
+    (out, lse, _, _), _ = check(document_mask(q_ids, kv_ids), L=57, S=131)
+    assert np.all(out[:, :, 10:30] == 0) and np.all(np.isneginf(lse[:, :, 10:30]))  # no keys
+    split = np.repeat([0, 2, 0, 3, 4], [20, 30, 20, 31, 30]).astype(np.int32)  # doc 0 twice
+    check(document_mask(q_ids, split, causal=True), L=57, S=131)
+
+
 def test_dropout_matches_composed():
     check(MASKS["document_causal"], ref=False, dropout_p=0.3, seed=7)
 

@@ -151,6 +151,8 @@ class FlexPlan:
                               0 if kh.ndim == 1 or kh.shape[0] == 1 else bid, d)  # fmt: skip
         if span is None:
             return None
+        if span == (0, 0):  # the document has no key
+            return []
         lo, hi = max(c0, span[0] - spec.col0), min(c1, span[1] - spec.col0)
         if not mod.causal:
             return [(lo, hi, False)] if hi > lo else []
@@ -165,7 +167,7 @@ class FlexPlan:
 
     def _doc_keys(self, mod: Any, kh: np.ndarray, key: int, d: int) -> tuple[int, int] | None:
         """``[first, last + 1)`` of document ``d`` in the key ids ``kh`` when its keys are
-        contiguous there, else ``None`` (cached per call)."""
+        contiguous there, ``(0, 0)`` when it has none, else ``None`` (cached per call)."""
         cache = self._docs.get(key)
         if cache is None:
             # Run starts and ids of the packed sequence: one pass, then dict lookups.
@@ -176,7 +178,7 @@ class FlexPlan:
             for i, a, b in zip(ids, starts.tolist(), stops, strict=True):
                 cache[i] = None if i in cache else (a, b)  # a second run: not contiguous
             self._docs[key] = cache
-        return cache.get(d)
+        return cache.get(d, (0, 0))
 
     def _table(self, bi: int, h0: int, h1: int) -> tuple[np.ndarray, np.ndarray]:
         """``(nonempty, full)`` bool ``(nq, nk)`` for batch ``bi`` and heads ``[h0, h1)``
@@ -219,12 +221,20 @@ class FlexPlan:
         edges = np.clip(np.arange(ka, kz + 1) * kb - spec.col0, c0, c1)
         widths = np.diff(edges)
         cost = ne @ widths  # keys each query block visits
+        # Segments of consecutive query blocks with the same blocks (below a causal
+        # diagonal: all of them), so the loop below runs per segment, not per block.
+        code = ne.astype(np.int8) + fu.astype(np.int8)
+        change = np.ones(code.shape[0], bool)
+        change[1:] = (code[1:] != code[:-1]).any(axis=1)
+        starts = np.flatnonzero(change).tolist()
+        stops = [*starts[1:], code.shape[0]]
         groups: list[tuple[int, int, np.ndarray, np.ndarray, float]] = []
-        for i in np.flatnonzero(cost):
-            ra = max(r0, (qa + int(i)) * qb - spec.row0)
-            rb = min(r1, (qa + int(i) + 1) * qb - spec.row0)
-            n = rb - ra
-            own = float(cost[i]) * n
+        for i, stop in zip(starts, stops, strict=True):
+            if not cost[i]:
+                continue
+            ra = max(r0, (qa + i) * qb - spec.row0)
+            rb = min(r1, (qa + stop) * qb - spec.row0)
+            own = float(cost[i]) * (rb - ra)
             if groups:
                 pa, pb, pne, pfu, pcost = groups[-1]
                 if pb == ra and rb - pa <= max_rows:
