@@ -244,7 +244,7 @@ class FlexPlan:
                         continue
             groups.append((ra, rb, ne[i], fu[i], own))
         cuts = self._document_starts(bi, r0, r1)
-        out = []
+        out: list[tuple[int, int, list[Run]]] = []
         for ra, rb, gne, gfu, _ in groups:
             # A document mask: rows of different documents never share a group (each
             # then visits exactly its own document's keys, _one_document).
