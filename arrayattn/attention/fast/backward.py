@@ -88,7 +88,7 @@ def _scores(
     if blocked is not None:
         np.copyto(s, -np.inf, where=blocked)
     if plan is not None and plan.mod is not None and masked:
-        plan.mask(s3, st.bool[: r1 - r0, : c1 - c0][None], bi, h, h + 1, r0, r1, c0, c1)
+        plan.mask(s3, st.bool[: r1 - r0, : c1 - c0][None], bi, h, h + 1, r0, r1, c0, c1, masked)
     return chain
 
 

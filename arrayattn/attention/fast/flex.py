@@ -29,8 +29,14 @@ from .layout import _blocked_out
 
 __all__ = ["FlexPlan", "Run", "MERGE_SLACK"]
 
-Run = tuple[int, int, bool]
-"""``(a, b, masked)``: keys ``[a, b)`` to visit; ``masked``: the mask_mod is evaluated."""
+Run = tuple[int, int, int]
+"""``(a, b, masked)``: keys ``[a, b)`` to visit; ``masked``: 0 (False) no test (full
+blocks), 1 (True) the mask_mod is evaluated, :data:`BAND` only the causal band
+``kv_idx <= q_idx`` excludes (a causal document mask within one document)."""
+
+BAND = 2
+"""A run's ``masked`` value: the cached causal band pattern, nothing evaluated."""
+_CAUSAL = Structure(0, -1, 0)
 
 MERGE_SLACK = 1.5
 """Consecutive query blocks share a tile while the keys their union visits cost at most
@@ -57,6 +63,7 @@ class FlexPlan:
         self._batch: dict[int, np.ndarray] = {}
         self._docs: dict[int, dict[int, tuple[int, int] | None]] = {}
         self._starts: dict[int, np.ndarray] = {}
+        self._q_contiguous: dict[int, bool] = {}
 
     # -- indices ---------------------------------------------------------------------
     def batch_id(self, bi: int) -> int:
@@ -89,10 +96,17 @@ class FlexPlan:
         return out
 
     def mask(self, s3: np.ndarray, scratch: np.ndarray, bi: int, h0: int, h1: int,
-             r0: int, r1: int, c0: int, c1: int) -> None:  # fmt: skip
+             r0: int, r1: int, c0: int, c1: int, masked: int = 1) -> None:  # fmt: skip
         """``s3`` (``(heads, rows, keys)``) set to ``-inf`` where the mask_mod excludes
-        (``scratch``: a bool buffer shaped like ``s3``)."""
+        (``scratch``: a bool buffer shaped like ``s3``; ``masked``: the run's)."""
         spec = self.spec
+        if masked == BAND:
+            band = _blocked_out(
+                _CAUSAL, r0 + spec.row0, r1 + spec.row0, c0 + spec.col0, c1 + spec.col0
+            )
+            if band is not None:
+                np.copyto(s3, -np.inf, where=band)
+            return
         excluded = _excluded(
             self.mod, self, bi, r0 + spec.row0, r1 + spec.row0, c0 + spec.col0,
             c1 + spec.col0, scratch[0],
@@ -141,12 +155,13 @@ class FlexPlan:
         qh, kh = mod._host
         bid = self.batch_id(bi)
         qrow = qh if qh.ndim == 1 else qh[bid if qh.shape[0] > 1 else 0]
-        if qrow[g0] != qrow[g1 - 1]:
+        d = int(qrow[g0])
+        if qrow[g1 - 1] != d:
             return None
-        qd = qrow[g0:g1]
-        d = int(qd[0])
-        if qd.min() != d or qd.max() != d:
-            return None
+        if not self._contiguous(qrow, 0 if qh.ndim == 1 or qh.shape[0] == 1 else bid):
+            qd = qrow[g0:g1]
+            if qd.min() != d or qd.max() != d:
+                return None
         span = self._doc_keys(mod, kh if kh.ndim == 1 else kh[bid if kh.shape[0] > 1 else 0],
                               0 if kh.ndim == 1 or kh.shape[0] == 1 else bid, d)  # fmt: skip
         if span is None:
@@ -162,8 +177,18 @@ class FlexPlan:
         if full_hi > lo:
             runs.append((lo, full_hi, False))
         if band_hi > max(lo, full_hi):
-            runs.append((max(lo, full_hi), band_hi, True))
+            runs.append((max(lo, full_hi), band_hi, BAND))
         return runs
+
+    def _contiguous(self, ids: np.ndarray, key: int) -> bool:
+        """True when every id of ``ids`` is one contiguous run (packed documents): then
+        rows whose first and last ids agree are all of that document (cached)."""
+        got = self._q_contiguous.get(key)
+        if got is None:
+            starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1])))
+            got = len(set(ids[starts].tolist())) == len(starts)
+            self._q_contiguous[key] = got
+        return got
 
     def _doc_keys(self, mod: Any, kh: np.ndarray, key: int, d: int) -> tuple[int, int] | None:
         """``[first, last + 1)`` of document ``d`` in the key ids ``kh`` when its keys are
@@ -207,8 +232,30 @@ class FlexPlan:
         if r1 <= r0 or c1 <= c0:
             return []
         if self.bm is None:
-            runs = [(c0, c1, self.mod is not None)]
-            return [(a, b, runs) for a, b in _spans(r0, r1, max_rows)]
+            every: list[Run] = [(c0, c1, int(self.mod is not None))]
+            return [(a, b, every) for a, b in _spans(r0, r1, max_rows)]
+        cuts = self._document_starts(bi, r0, r1)
+        if cuts is None:
+            return self._table_groups(bi, h0, h1, r0, r1, c0, c1, max_rows)
+        # A document mask: each document's rows on their own, in spans from its first
+        # row (as one call per document would), each visiting exactly its document's
+        # keys (_one_document); the table only where a document's keys are not one run.
+        out: list[tuple[int, int, list[Run]]] = []
+        inner = cuts[(cuts > r0) & (cuts < r1)].tolist()
+        for sa, sb in zip([r0, *inner], [*inner, r1], strict=True):
+            if self._one_document(bi, sa, sb, c0, c1) is None:
+                out.extend(self._table_groups(bi, h0, h1, sa, sb, c0, c1, max_rows))
+                continue
+            for a, b in _spans(sa, sb, max_rows):
+                own = self._one_document(bi, a, b, c0, c1)
+                if own:
+                    out.append((a, b, own))
+        return out
+
+    def _table_groups(
+        self, bi: int, h0: int, h1: int, r0: int, r1: int, c0: int, c1: int, max_rows: int
+    ) -> list[tuple[int, int, list[Run]]]:
+        """:meth:`row_groups` from the block table."""
         spec, bm = self.spec, self.bm
         qb, kb = bm.Q_BLOCK, bm.KV_BLOCK
         g0, g1 = r0 + spec.row0, r1 + spec.row0
@@ -243,20 +290,10 @@ class FlexPlan:
                         groups[-1] = (pa, rb, une, pfu & fu[i], pcost + own)
                         continue
             groups.append((ra, rb, ne[i], fu[i], own))
-        cuts = self._document_starts(bi, r0, r1)
         out: list[tuple[int, int, list[Run]]] = []
         for ra, rb, gne, gfu, _ in groups:
-            # A document mask: rows of different documents never share a group (each
-            # then visits exactly its own document's keys, _one_document).
-            parts = [(ra, rb)]
-            if cuts is not None:
-                inner = cuts[(cuts > ra) & (cuts < rb)].tolist()
-                parts = list(zip([ra, *inner], [*inner, rb], strict=True))
-            for pa, pb in parts:
-                trimmed = self._one_document(bi, pa, pb, c0, c1)
-                runs = _runs(gne, gfu, edges) if trimmed is None else trimmed
-                if runs:
-                    out.extend((a, b, runs) for a, b in _spans(pa, pb, max_rows))
+            runs = _runs(gne, gfu, edges)
+            out.extend((a, b, runs) for a, b in _spans(ra, rb, max_rows))
         return out
 
     def _document_starts(self, bi: int, r0: int, r1: int) -> np.ndarray | None:

@@ -359,7 +359,7 @@ def _rows(spec, lay, st, bi, hk, h0, h1, r0, r1, c_lo, c_hi, width, out_t, lse_t
             np.copyto(s3, -np.inf, where=blocked)  # (n, w): the same for every head
         if masked:  # a partial block of the block mask: the mask_mod, pair by pair
             assert plan is not None
-            plan.mask(s3, st.bool[:R, :w].reshape(nh, n, w), bi, h0, h1, r0, r1, c0, c1)
+            plan.mask(s3, st.bool[:R, :w].reshape(nh, n, w), bi, h0, h1, r0, r1, c0, c1, masked)
         if static:
             np.exp(s, out=s)
         else:
