@@ -243,6 +243,8 @@ def test_cross_attention_documents_missing_and_split_documents():
     assert np.all(out[:, :, 10:30] == 0) and np.all(np.isneginf(lse[:, :, 10:30]))  # no keys
     split = np.repeat([0, 2, 0, 3, 4], [20, 30, 20, 31, 30]).astype(np.int32)  # doc 0 twice
     check(document_mask(q_ids, split, causal=True), L=57, S=131)
+    again = np.repeat([0, 1, 0, 2], [30, 20, 30, 21]).astype(np.int32)  # self-attention
+    check(document_mask(again, causal=True))
 
 
 def test_dropout_matches_composed():
