@@ -246,6 +246,8 @@ class FlexPlan:
             if self._one_document(bi, sa, sb, c0, c1) is None:
                 out.extend(self._table_groups(bi, h0, h1, sa, sb, c0, c1, max_rows))
                 continue
+            if self.mod.causal:  # rows before the first key see none of these keys
+                sa = max(sa, c0 + self.spec.col0 - self.spec.row0)
             for a, b in _spans(sa, sb, max_rows):
                 own = self._one_document(bi, a, b, c0, c1)
                 if own:
