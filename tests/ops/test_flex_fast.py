@@ -63,7 +63,8 @@ def tiles(fwd_rows=24, block_elements=24 * 40, bwd_rows=20, bwd_keys=36):
 # Plain float64 dense reference
 # ---------------------------------------------------------------------------------------
 def reference(q, k, v, d_out, *, mod=None, smod=None, is_causal=False, window=None,
-              softcap=None, sinks=None, kv_lengths=None, alibi=None):  # fmt: skip
+              softcap=None, sinks=None, kv_lengths=None, q_lengths=None,
+              alibi=None):  # fmt: skip
     """``out, lse, (dq, dk, dv), d_table`` in float64 for ``(B, H, L, E)`` inputs (K/V
     with ``H / G`` heads: GQA), the mods evaluated on the dense index grid."""
     B, H, L, E = q.shape
@@ -96,6 +97,8 @@ def reference(q, k, v, d_out, *, mod=None, smod=None, is_causal=False, window=No
         allowed &= (ki >= qi - window[0]) & (ki <= qi + window[1])
     if kv_lengths is not None:
         allowed &= ki < kv_lengths.reshape(B, 1, 1, 1)
+    if q_lengths is not None:
+        allowed &= qi < q_lengths.reshape(B, 1, 1, 1)
     s = np.where(allowed, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     if sinks is not None:
@@ -175,7 +178,7 @@ def check(mod=None, smod=None, *, block_size=(16, 24), B=2, H=4, Hk=2, L=101, S=
     if smod is not None and smod.params:
         close(fast_res[3]["score_mod"][0], comp_res[3]["score_mod"][0])
     if ref:
-        names = ("is_causal", "window", "softcap", "sinks", "kv_lengths")
+        names = ("is_causal", "window", "softcap", "sinks", "kv_lengths", "q_lengths")
         rkw = {n: kw[n] for n in names if n in kw}
         if "alibi_slopes" in kw:
             rkw["alibi"] = kw["alibi_slopes"]
@@ -219,6 +222,7 @@ def test_every_mask_matches_reference_and_composed(name):
         ("document_causal", dict(is_causal=True)),
         ("window", dict(is_causal=True, window=(30, 0))),
         ("document_per_batch", dict(kv_lengths=np.array([101, 63]))),
+        ("document_causal", dict(q_lengths=np.array([77, 101]), kv_lengths=np.array([90, 101]))),
         ("prefix_lm", dict(sinks=np.array([0.5, -1.0, 2.0, 0.0]))),
         ("global_or_window", dict(softcap=3.0, alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4]))),
     ],
