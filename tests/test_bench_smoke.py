@@ -234,3 +234,16 @@ def test_cascade_bench_quick_prints_both_comparisons(capsys):
     assert "cascade speed-up over copied prefix:" in out and "ragged / uniform" in out
     diff = float(out.split("max |cascade - copied| ")[1].split(";")[0])
     assert diff < 1e-5  # the two caches attend to the same keys
+
+
+def test_flex_bench_small_run_prints_the_ratios(capsys):
+    script = _load_script("flex_bench")
+    lengths = script.doc_lengths(16384, 8, 512, 4096, seed=0)
+    assert sum(lengths) == 16384 and min(lengths) >= 512 and max(lengths) <= 4096
+    assert lengths == script.doc_lengths(16384, 8, 512, 4096, seed=0)  # fixed packing
+    argv = ["--length", "512", "--heads", "2", "--dim", "16", "--repeats", "1", "--backward"]
+    assert script.main(argv) == 0
+    out = capsys.readouterr().out
+    for line in ("(a)/(b) block_mask / per_doc:", "(c)/(a) dense_mask / block_mask:",
+                 "create_block_mask:", "forward + backward"):  # fmt: skip
+        assert line in out

@@ -8,6 +8,9 @@ results' memory.
   layout of the inputs, structural helpers, scratch buffers, the static score bound);
 - :mod:`.forward`: GQA-stacked tiles and split-KV decode;
 - :mod:`.backward`: FlashAttention-2's backward from the saved LSE;
+- :mod:`.flex`: block masks, mask_mods and score_mods (``arrayattn.flex``): which key
+  runs a tile visits (empty blocks skipped, the mask_mod only on partial ones) and the
+  mods evaluated on NumPy index arrays of global positions;
 - this module: the registered implementation and its cost model.
 """
 

@@ -22,6 +22,7 @@ from ..dropout import dropout_keep
 from ..spec import AttentionSpec
 from ..threads import _fork_safe, _run_units, checkpoint
 from . import layout as _nf
+from .flex import FlexPlan
 from .layout import (
     _add_alibi,
     _blocked_out,
@@ -49,10 +50,15 @@ class _FwdState:
         self.bool = _Scratch(rows, keys, np.bool_)
 
 
-def _scores(spec, lay, st, structure, b, h, hk, r0, r1, c0, c1, q_t, s, tanh=None):
+def _scores(
+    spec, lay, st, structure, b, h, hk, r0, r1, c0, c1, q_t, s, tanh=None, bi=0, masked=True,
+    grad=False,
+):  # fmt: skip
     """Final masked scores of rows ``[r0, r1)`` x keys ``[c0, c1)`` into ``s`` (in place);
     with a softcap, ``tanh(S / softcap)`` is kept in ``tanh`` when given (the backward's
-    chain rule needs it)."""
+    chain rule needs it). With ``arrayattn.flex`` (``lay.flex``): the score_mod after the
+    softcap and ALiBi, and the mask_mod where ``masked`` (a partial block); returns the
+    score_mod's derivative ``(rows, keys)`` (``None``: 1 or no score_mod)."""
     k_blk = lay.k[b + (hk, slice(c0, c1))]
     if spec.softcap is None:
         np.matmul(q_t, k_blk.T, out=s)
@@ -62,6 +68,13 @@ def _scores(spec, lay, st, structure, b, h, hk, r0, r1, c0, c1, q_t, s, tanh=Non
         np.tanh(t, out=t)
         np.multiply(t, spec.softcap, out=s)
     _add_alibi(lay, structure, b, h, r0, r1, c0, c1, s)
+    plan = lay.flex
+    chain = None
+    s3 = s[None]  # (1 head, rows, keys): the flex index arrays' layout
+    if plan is not None and plan.smod is not None:
+        chain = plan.score(s3, bi, h, h + 1, r0, r1, c0, c1, grad=grad)
+        if chain is not None:
+            chain = np.broadcast_to(chain, s3.shape)[0]
     if lay.mask is not None:
         m = lay.mask[b + (h, slice(r0, r1), slice(c0, c1))]
         if spec.mask_kind == "float":
@@ -74,6 +87,9 @@ def _scores(spec, lay, st, structure, b, h, hk, r0, r1, c0, c1, q_t, s, tanh=Non
     blocked = _blocked_out(structure, r0, r1, c0, c1)
     if blocked is not None:
         np.copyto(s, -np.inf, where=blocked)
+    if plan is not None and plan.mod is not None and masked:
+        plan.mask(s3, st.bool[: r1 - r0, : c1 - c0][None], bi, h, h + 1, r0, r1, c0, c1, masked)
+    return chain
 
 
 def _dropout_keep(spec, bi, h, r0, r1, c0, c1):
@@ -147,6 +163,7 @@ def backward(
         args = (query, key, value, attn_mask, out, lse, d_out, d_lse)
         return _stacked.backward(backward, spec, *args)
     lay = _Layout(spec, query, key, value, attn_mask)
+    lay.flex = FlexPlan(spec) if spec.flex else None
     cd = lay.cd
     nb = len(lay.lead_index)
     lead = spec.lead
@@ -303,7 +320,7 @@ def _row_totals(spec, lay, lse_f, finite):
                 c_lo, c_hi = structure.col_range(r0, r1, lay.kv_len[bi])
                 for c0, c1 in _spans(c_lo, c_hi, width):
                     sc = st.s[:n, : c1 - c0]
-                    _scores(spec, lay, st, structure, b, h, hk, r0, r1, c0, c1, q_t, sc)
+                    _scores(spec, lay, st, structure, b, h, hk, r0, r1, c0, c1, q_t, sc, bi=bi)
                     np.subtract(sc, lse_r[:, None], out=sc)
                     np.exp(sc, out=sc)
                     total += sc.sum(axis=1)
@@ -375,7 +392,18 @@ def _backward_pair(spec, ctx, st, bi, hk, chunk, spans):
         dv = st.dv[:w]
         dk[...] = 0
         dv[...] = 0
-        if r_hi > r_lo:
+        plan = lay.flex
+        if r_hi > r_lo and plan is not None:
+            # arrayattn.flex: only the rows and key runs the block mask leaves non-empty.
+            for h in heads:
+                for r0, r1, runs in plan.row_groups(bi, h, h + 1, r_lo, r_hi, c0, c1, ctx["rows"]):
+                    for a, z, masked in runs:
+                        checkpoint()
+                        _backward_block(
+                            spec, ctx, st, structure, bi, b, h, hk, r0, r1, a, z, dq,
+                            dk[a - c0 : z - c0], dv[a - c0 : z - c0], masked,
+                        )  # fmt: skip
+        elif r_hi > r_lo:
             for h in heads:
                 for r0, r1 in _spans(r_lo, r_hi, ctx["rows"]):
                     checkpoint()  # an abandoned call (interrupt, a failed unit) stops here
@@ -386,7 +414,9 @@ def _backward_pair(spec, ctx, st, bi, hk, chunk, spans):
         ctx["dv_f"][b + (hk, slice(c0, c1))] = dv
 
 
-def _backward_block(spec, ctx, st, structure, bi, b, h, hk, r0, r1, c0, c1, dq, dk, dv):
+def _backward_block(
+    spec, ctx, st, structure, bi, b, h, hk, r0, r1, c0, c1, dq, dk, dv, masked=True
+):
     lay = ctx["lay"]
     cd = lay.cd
     n, w = r1 - r0, c1 - c0
@@ -412,9 +442,15 @@ def _backward_block(spec, ctx, st, structure, bi, b, h, hk, r0, r1, c0, c1, dq, 
     q_t = _scaled_query(spec, lay, b, h, r0, r1, st.q[:n])
     e = st.e[:n, :w]
     tanh = None if spec.softcap is None else st.t[:n, :w]
-    _scores(spec, lay, st, structure, b, h, hk, r0, r1, c0, c1, q_t, e, tanh)
+    chain = _scores(
+        spec, lay, st, structure, b, h, hk, r0, r1, c0, c1, q_t, e, tanh, bi=bi, masked=masked,
+        grad=True,
+    )  # fmt: skip
     if spec.softcap is not None and (lay.k_op is not lay.k or lay.q_op is not lay.q):
         np.copyto(st.t[:n, :w], 0.0, where=np.isneginf(e))  # tanh of a garbage score
+    if chain is not None and not np.isfinite(chain).all():
+        # The score_mod's derivative at an excluded (garbage) score must not reach dS.
+        chain = np.where(np.isneginf(e), 0.0, chain).astype(cd, copy=False)
     if not static:
         np.subtract(e, lse_r[:, None], out=e)
     np.exp(e, out=e)  # P (exact path) or exp(S) with P = diag(a) exp(S) (static path)
@@ -466,6 +502,8 @@ def _backward_block(spec, ctx, st, structure, bi, b, h, hk, r0, r1, c0, c1, dq, 
         np.multiply(t, t, out=t)
         np.subtract(1.0, t, out=t)
         np.multiply(tmat, t, out=tmat)
+    if chain is not None:  # the score_mod's derivative (d score_mod / d score)
+        np.multiply(tmat, chain, out=tmat)
     # dQ rows += coef * (dS K);  dK += dS^T (coef * Q).
     tq = np.matmul(tmat, lay.k_op[b + (hk, slice(c0, c1))], out=st.tmp_q[:n])
     np.multiply(tq, coef[:, None], out=tq)

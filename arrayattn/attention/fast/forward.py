@@ -30,6 +30,7 @@ from ..dropout import dropout_keep
 from ..spec import AttentionSpec
 from ..threads import _fork_safe, _run_units, checkpoint
 from . import layout as _nf
+from .flex import FlexPlan
 
 __all__ = ["forward", "tile_plan", "DECODE_BLOCK_ELEMENTS", "MIN_SPLIT_KEYS"]
 
@@ -148,6 +149,10 @@ def forward(
     use_static = heads * n >= STATIC_MIN_ROWS and lay.v_bad is None
     static_bound = _nf._static_bounds(spec, lay) if use_static else None
 
+    # mask_mod/score_mod (arrayattn.flex): rows grouped by the key blocks they visit.
+    plan = FlexPlan(spec) if spec.flex else None
+    lay.flex = plan
+
     # Tiles: (batch, KV head, head chunk of its group, row block) with their key range.
     tiles = []
     for bi in range(nb):
@@ -155,9 +160,12 @@ def forward(
         for hk, g0, g1 in _head_groups(spec, heads):
             for h0 in range(g0, g1, heads):
                 h1 = min(h0 + heads, g1)
-                for r0, r1 in _nf._spans(0, spec.L, n):
+                for r0, r1 in _row_spans(plan, bi, h0, h1, spec.L, lay.kv_len[bi], n):
                     rv = min(r1, lay.q_len[bi])
                     lo, hi = st_b.col_range(r0, rv, lay.kv_len[bi]) if rv > r0 else (0, 0)
+                    if plan is not None and plan.bm is not None and hi > lo:
+                        runs = plan.runs(bi, h0, h1, r0, rv, lo, hi)
+                        lo, hi = (runs[0][0], runs[-1][1]) if runs else (lo, lo)
                     tiles.append((bi, hk, h0, h1, r0, r1, lo, max(lo, hi)))
 
     work = nb * spec.Hq * spec.L * spec.S * (spec.E + spec.Ev)
@@ -223,6 +231,26 @@ def forward(
 
     out_user = out.astype(spec.dtype, copy=False).reshape(spec.out_shape)
     return out_user, lse.reshape(spec.lse_shape)
+
+
+def _row_spans(
+    plan: FlexPlan | None, bi: int, h0: int, h1: int, L: int, S: int, n: int
+) -> list[tuple[int, int]]:
+    """Row blocks of at most ``n`` rows covering ``[0, L)``: plain spans, or with a block
+    mask the planned groups of query blocks (:meth:`FlexPlan.row_groups`), with the rows
+    that see no key in spans of their own (written as empty rows)."""
+    if plan is None or plan.bm is None:
+        return _nf._spans(0, L, n)
+    out: list[tuple[int, int]] = []
+    at = 0
+    for ra, rb, _ in plan.row_groups(bi, h0, h1, 0, L, 0, S, n):
+        if ra > at:
+            out.extend(_nf._spans(at, ra, n))
+        out.append((ra, rb))
+        at = rb
+    if at < L:
+        out.extend(_nf._spans(at, L, n))
+    return out
 
 
 def merge_splits(outs: np.ndarray, lses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -296,7 +324,8 @@ def _rows(spec, lay, st, bi, hk, h0, h1, r0, r1, c_lo, c_hi, width, out_t, lse_t
     first = True
     # P @ bad: non-zero on rows giving weight to a non-finite value row (made NaN).
     touched = None if lay.v_bad is None else np.zeros((R,), cd)
-    for c0, c1 in _nf._key_spans(structure, r0, r1, c_lo, c_hi, width):
+    plan = lay.flex
+    for c0, c1, masked in _key_spans(plan, structure, bi, h0, h1, r0, r1, c_lo, c_hi, width):
         checkpoint()  # an abandoned call (interrupt, a failed unit) stops here
         w = c1 - c0
         s = st.s[:R, :w]
@@ -314,6 +343,8 @@ def _rows(spec, lay, st, bi, hk, h0, h1, r0, r1, c_lo, c_hi, width, out_t, lse_t
             dist = _nf._alibi_distance(structure, r0, r1, c0, c1, cd)
             slopes = lay.alibi[b + (slice(h0, h1),)].reshape(nh, 1, 1)
             np.subtract(s3, slopes * dist, out=s3)
+        if plan is not None and plan.smod is not None:  # score_mod: after softcap and ALiBi
+            plan.score(s3, bi, h0, h1, r0, r1, c0, c1)
         if lay.mask is not None:
             um = lay.mask[b + (slice(h0, h1), slice(r0, r1), slice(c0, c1))]
             if spec.mask_kind == "float":
@@ -326,6 +357,9 @@ def _rows(spec, lay, st, bi, hk, h0, h1, r0, r1, c_lo, c_hi, width, out_t, lse_t
         blocked = _nf._blocked_out(structure, r0, r1, c0, c1)
         if blocked is not None:
             np.copyto(s3, -np.inf, where=blocked)  # (n, w): the same for every head
+        if masked:  # a partial block of the block mask: the mask_mod, pair by pair
+            assert plan is not None
+            plan.mask(s3, st.bool[:R, :w].reshape(nh, n, w), bi, h0, h1, r0, r1, c0, c1, masked)
         if static:
             np.exp(s, out=s)
         else:
@@ -376,6 +410,10 @@ def _rows(spec, lay, st, bi, hk, h0, h1, r0, r1, c_lo, c_hi, width, out_t, lse_t
                 part = np.matmul(s_kv, v_blk, out=st.acc_tmp[:R].reshape(nkv, -1, ev))
                 np.add(acc, part.reshape(R, ev), out=acc)
         first = False
+    if first:  # no key to visit (the block mask's empty blocks): empty rows
+        out_t[...] = 0
+        lse_t[...] = -np.inf
+        return True
     lse_r = np.empty((R,), cd)
     if static:
         if np.any(l_sum < lay.tiny):  # underflowed (or empty) rows: the exact path knows
@@ -395,3 +433,15 @@ def _rows(spec, lay, st, bi, hk, h0, h1, r0, r1, c_lo, c_hi, width, out_t, lse_t
         out_t[touched.reshape(nh, n) != 0] = np.nan
     lse_t[...] = lse_r.reshape(nh, n)
     return True
+
+
+def _key_spans(plan, structure, bi, h0, h1, r0, r1, c_lo, c_hi, width):
+    """``(c0, c1, masked)``: the key blocks of a tile (``_nf._key_spans``) within the
+    block mask's runs, ``masked`` where the mask_mod must be evaluated."""
+    if plan is None:
+        return [(a, b, False) for a, b in _nf._key_spans(structure, r0, r1, c_lo, c_hi, width)]
+    return [
+        (a, b, masked)
+        for ra, rb, masked in plan.runs(bi, h0, h1, r0, r1, c_lo, c_hi)
+        for a, b in _nf._key_spans(structure, r0, r1, ra, rb, width)
+    ]

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from ..._backend import is_numpy, numpy_bridge
+from .. import mask_mods as _mm
 from .. import static_shift as _static_shift
 from ..spec import AttentionSpec
 from ..structure import Structure, structural_allowed
@@ -113,9 +114,33 @@ def declines(spec: AttentionSpec) -> str | None:
         return f"the NumPy fast path supports float16/float32/float64, got {spec.dtype}"
     if min(spec.L, spec.S, spec.E, spec.Ev) == 0:
         return "the NumPy fast path needs non-empty L, S and head dims"
-    if spec.flex:
-        return "mask_mod/score_mod (arrayattn.flex) run on the chunked and composed paths"
+    if spec.flex and not is_numpy(spec.xp):
+        # The mods are evaluated on NumPy index arrays: those that capture arrays of the
+        # call's library (document ids, bias tables, slopes) would compute in it.
+        if spec.score_mod is not None:
+            return (
+                "a score_mod on PyTorch tensors: the NumPy fast path evaluates it on NumPy "
+                "arrays, and its captured arrays are tensors (the chunked and composed "
+                "paths run it)"
+            )
+        if spec.mask_mod is not None and not index_only(spec.mask_mod):
+            return (
+                f"mask_mod {spec.mask_mod!r} on PyTorch tensors: the NumPy fast path "
+                "evaluates mask_mods on NumPy index arrays, and this one may capture "
+                "tensors (the chunked and composed paths run it)"
+            )
     return None
+
+
+def index_only(mod: Any) -> bool:
+    """True for built-in mask_mods that capture no arrays (causal, windows, global
+    tokens, no-op, a prefix-LM with an int length, and/or of those): they give the same
+    result on NumPy index arrays whichever library the call's arrays are in."""
+    if isinstance(mod, _mm._Combined):
+        return all(index_only(m) for m in mod.mods)
+    if isinstance(mod, _mm._PrefixLM):
+        return mod.per_batch is None
+    return isinstance(mod, (_mm._Window, _mm._Global, _mm._Noop))
 
 
 # ---------------------------------------------------------------------------------------
@@ -168,6 +193,8 @@ class _Layout:
         self.sinks = self._per_head(spec.sinks, cd)
         self.alibi = self._per_head(spec.alibi_slopes, cd)
         self._garbage_ready = False
+        # The call's FlexPlan (arrayattn.flex: mask_mod, block mask, score_mod) or None.
+        self.flex: Any = None
         self._values_lock = threading.Lock()
 
     def _per_head(self, x, cd):
@@ -475,6 +502,8 @@ def _static_bounds(spec: AttentionSpec, lay: _Layout) -> tuple[np.ndarray, float
     ``exp(S)`` underflowing in the backward means ``P <= exp(-87 + 40)``, far below
     rounding. A negative slope can raise scores without bound: exact path."""
     if spec.mask_kind == "float":  # arbitrary additive scores: exact path
+        return None
+    if spec.score_mod is not None:  # scores no longer bounded by |q| |k|: exact path
         return None
     if lay.alibi is not None and not (lay.alibi.size == 0 or float(np.min(lay.alibi)) >= 0.0):
         return None
