@@ -2,10 +2,10 @@
 
 Run as a script in a process with ``libtsan`` preloaded (a TSan-instrumented library
 cannot be loaded into an uninstrumented Python otherwise):
-``python _decode_tsan_run.py LIBRARY CASE``. It runs ``CASE`` of
-``test_decode_emulated.py`` on every kernel variant (``decode.VARIANTS``) and exits 1 when
-a result differs from the float64 reference. TSan writes any race it sees to stderr; the
-calling test reads it there.
+``python _decode_tsan_run.py LIBRARY CASE [VARIANTS]``. It runs ``CASE`` of
+``test_decode_emulated.py`` on the kernel variants ``VARIANTS`` (comma-separated; default:
+every one, ``decode.VARIANTS``) and exits 1 when a result differs from the float64
+reference. TSan writes any race it sees to stderr; the calling test reads it there.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import test_decode_emulated as dec  # noqa: E402
 
 def main() -> int:
     lib = emu.load(Path(sys.argv[1]))
-    for variant in dec.decode.VARIANTS:
+    variants = sys.argv[3].split(",") if len(sys.argv) > 3 else dec.decode.VARIANTS
+    for variant in variants:
         try:
             dec.run_case(lib, sys.argv[2], variant)
         except AssertionError as exc:

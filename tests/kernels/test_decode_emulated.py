@@ -124,7 +124,7 @@ def reference(q, k, v, *, q_lens, kv_lens, diag, left, right, scale, softcap, sl
 
 
 def _plan(case: str, variant: str) -> decode.DecodePlan:
-    c = CASES[case]
+    c = {**CASES, **RACE_CASES}[case]
     rows = c["Hq"] // c["Hkv"] * c["L"]
     plan = decode.decode_plan(c["kind"], c["E"], c.get("Ev", c["E"]), rows, variant=variant)
     assert plan is not None and plan.variant == variant
@@ -156,8 +156,8 @@ def test_decode_kernels_match_float64(library, case, variant):
 
 def run_case(library, case: str, variant: str = "v1") -> None:
     """Run ``CASES[case]`` with kernel ``variant`` on the emulator ``library`` and check it
-    against float64."""
-    c = CASES[case]
+    against float64 (``case`` may also be one of ``RACE_CASES``)."""
+    c = {**CASES, **RACE_CASES}[case]
     kind, B, Hq, Hkv, L, S, E = (c[n] for n in ("kind", "B", "Hq", "Hkv", "L", "S", "E"))
     Ev = c.get("Ev", E)
     rng = np.random.default_rng(sum(map(ord, case)))
@@ -304,9 +304,14 @@ def test_variant_switch(monkeypatch):
 # -- data races: the emulator built with ThreadSanitizer, run in a child process that
 # preloads libtsan (as test_backward_emulated.py does); the kernels' barriers order the
 # warps' shared-memory partials before the block merges them (v1: the split kernel's one;
-# v2: its split kernel's and its merge kernel's). The child runs the case on every variant,
-# so removing any barrier of the file must show as a race.
-RACE_CASE = "f16_paged_window_softcap_sinks_alibi"
+# v2: its split kernel's and its merge kernel's). The no-race check runs the case on every
+# variant; a missing-barrier check runs it on the variant whose kernel holds the barrier.
+# The race case is f16_paged_window_softcap_sinks_alibi at half the keys (every one of its
+# options, fewer split blocks: each CUDA thread is an OS thread under ThreadSanitizer).
+RACE_CASE = "tsan_f16_paged_window_softcap_sinks_alibi"
+RACE_CASES = {
+    RACE_CASE: dict(CASES["f16_paged_window_softcap_sinks_alibi"], S=100, kv_lens=(100, 5, 0)),
+}
 
 
 def _race_names() -> list[str]:
@@ -317,17 +322,35 @@ def _race_names() -> list[str]:
     return names
 
 
-def _run_under_tsan(lib, halt: bool = False):
+def _barrier_variant(site: int) -> str:
+    """The kernel variant whose kernels hold barrier ``site`` of decode_attn.cu (the v1
+    kernels come first in the file, then v2's, from ``aa_decode_split_v2``)."""
+    text = (tsan.KERNELS / decode.SOURCE).read_text()
+    return (
+        "v2"
+        if tsan.barrier_offsets(decode.SOURCE)[site] > text.index("aa_decode_split_v2(")
+        else "v1"
+    )
+
+
+def _run_under_tsan(lib, skip_barrier: int | None = None):
+    """``_decode_tsan_run.py`` in a child with libtsan preloaded, on every variant;
+    ``skip_barrier``: run a switchable build without that barrier, on the barrier's variant
+    only, stopping at the first report."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     env = dict(os.environ, LD_PRELOAD=tsan.libtsan(emu.compiler() or "g++") or "")
-    if halt:
-        env["TSAN_OPTIONS"] = tsan.HALT_ON_RACE
+    env.pop(tsan.SKIP_BARRIER, None)
+    if skip_barrier is not None:
+        env = tsan.skip_barrier_env(skip_barrier, env)
     script = Path(__file__).resolve().parent / "_decode_tsan_run.py"
-    return subprocess.run([sys.executable, str(script), str(lib), RACE_CASE],
+    variants = ",".join(
+        decode.VARIANTS if skip_barrier is None else [_barrier_variant(skip_barrier)]
+    )
+    return subprocess.run([sys.executable, str(script), str(lib), RACE_CASE, variants],
                           capture_output=True, text=True, env=env, timeout=900)  # fmt: skip
 
 
@@ -349,12 +372,20 @@ def test_decode_kernels_have_no_data_race(tsan_work):
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
 
 
+@pytest.fixture(scope="module")
+def switchable_library(tsan_work):
+    """The race case's ThreadSanitizer build from a copy of the kernels whose barriers
+    ``AA_EMU_SKIP_BARRIER`` switches off one at a time: one compile for every site."""
+    kdir = tsan.kernels_with_switchable_barriers(decode.SOURCE, tsan_work / "switchable")
+    return emu.compile_library(_race_names(), tsan_work, tsan.FLAGS, kernels_dir=kdir,
+                               kernel_file=decode.SOURCE)  # fmt: skip
+
+
 @pytest.mark.parametrize("site", range(len(tsan.barrier_offsets(decode.SOURCE))))
-def test_race_check_catches_every_missing_barrier(tsan_work, tmp_path, site):
-    kdir = tsan.kernels_without_barrier(decode.SOURCE, site, tmp_path / "kernels")
-    lib = emu.compile_library(_race_names(), tmp_path, tsan.FLAGS, kernels_dir=kdir,
-                              kernel_file=decode.SOURCE)  # fmt: skip
-    res = _run_under_tsan(lib, halt=True)
+def test_race_check_catches_every_missing_barrier(switchable_library, site):
+    """Deleting any one ``__syncthreads()`` of decode_attn.cu makes the race check fail;
+    every site in a run of its own (``AA_EMU_SKIP_BARRIER=site``, see ``_tsan.py``)."""
+    res = _run_under_tsan(switchable_library, skip_barrier=site)
     assert tsan.REPORT in res.stderr, f"barrier {site} removed, yet no race was reported"
 
 

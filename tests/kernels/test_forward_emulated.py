@@ -376,14 +376,17 @@ def executables(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def build_emulators(
-    cases: dict[str, Case], work: Path, flags: tuple[str, ...] = ("-O1",)
+    cases: dict[str, Case],
+    work: Path,
+    flags: tuple[str, ...] = ("-O1",),
+    kernels_dir: Path | None = None,
 ) -> dict[str, Path]:
     """One emulator executable per entry of ``cases`` (two compiles at a time), keyed alike;
-    a compile error fails the test."""
+    a compile error fails the test. ``kernels_dir`` as for :func:`build_emulator`."""
 
     def build(key: str) -> tuple[str, Path, str]:
         exe = work / f"emu_{abs(hash(key))}"
-        return key, exe, build_emulator(cases[key], exe, flags)
+        return key, exe, build_emulator(cases[key], exe, flags, kernels_dir)
 
     out = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
@@ -737,18 +740,47 @@ _MUTATION_CASE = {
 }
 
 
+@pytest.fixture(scope="module")
+def switchable_executables(tsan_work: Path) -> dict[str, Path]:
+    """kernel family -> a ThreadSanitizer build of its mutation case from a copy of
+    attn_fwd.cu whose barriers ``AA_EMU_SKIP_BARRIER`` switches off one at a time (one
+    compile per family, shared by its sites; see ``_tsan.py``)."""
+    work = tsan_work / "switchable"
+    kdir = tsan.kernels_with_switchable_barriers("attn_fwd.cu", work / "kernels")
+    cases = {kernel: _RACE_CASES[name] for kernel, name in _MUTATION_CASE.items()}
+    return build_emulators(cases, work, tsan.FLAGS, kernels_dir=kdir)
+
+
 @pytest.mark.parametrize("site,kernel", _barrier_sites())
 def test_race_check_catches_every_missing_barrier(
-    site: int, kernel: str, tsan_work: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    site: int,
+    kernel: str,
+    switchable_executables: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Deleting any one ``__syncthreads()`` of the forward kernels makes the race check
-    fail, so a barrier the schedule needs cannot silently go missing."""
-    kdir = tsan.kernels_without_barrier("attn_fwd.cu", site, tmp_path / "kernels")
+    fail, so a barrier the schedule needs cannot silently go missing. Every site is
+    checked in a run of its own: the family's switchable build with
+    ``AA_EMU_SKIP_BARRIER=site``."""
     case = _RACE_CASES[_MUTATION_CASE[kernel]]
-    exe = tmp_path / "emu"
-    err = build_emulator(case, exe, tsan.FLAGS, kernels_dir=kdir)
-    assert not err, err[-3000:]
     stored, _, mask = _inputs(case, np.random.default_rng(site))
-    monkeypatch.setenv("TSAN_OPTIONS", tsan.HALT_ON_RACE)
-    res = launch_emulator(exe, case, stored, mask, tmp_path, eager=False)
+    for name, value in tsan.skip_barrier_env(site, {}).items():
+        monkeypatch.setenv(name, value)
+    res = launch_emulator(switchable_executables[kernel], case, stored, mask, tmp_path)
     assert tsan.REPORT in res.stderr, f"barrier {site} ({kernel}) removed, yet no race was reported"
+
+
+def test_switchable_build_skips_nothing_by_default(
+    switchable_executables: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without ``AA_EMU_SKIP_BARRIER`` a switchable build is the kernel as written (the
+    prelude is the same for every family): no race, the reference's result."""
+    monkeypatch.delenv(tsan.SKIP_BARRIER, raising=False)
+    case = _RACE_CASES[_MUTATION_CASE["simt"]]
+    stored, exact, mask = _inputs(case, np.random.default_rng(0))
+    res = launch_emulator(switchable_executables["simt"], case, stored, mask, tmp_path)
+    assert tsan.REPORT not in res.stderr, f"ThreadSanitizer report:\n{res.stderr[:6000]}"
+    assert res.returncode == 0, f"emulator exit {res.returncode}: {res.stderr[-2000:]}"
+    out, lse = read_outputs(case, tmp_path)
+    _assert_matches_reference(case, out, lse, *reference(case, exact, mask))
