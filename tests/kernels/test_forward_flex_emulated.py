@@ -141,8 +141,9 @@ def _doc_ids(L: int, lengths: list[int]) -> np.ndarray:
 
 @pytest.mark.slow
 def test_v2_document_causal_gqa_sinks(fake_cupy, monkeypatch) -> None:
-    """aa_fwd_tc2: packed documents (causal), GQA, sinks, L = S = 330 (ragged), block size
-    (128, 64): empty, full and partial blocks, the prefetch jumping over empty ones."""
+    """aa_fwd_tc2 at D = 128: packed documents (causal), GQA, sinks, L = S = 330 (ragged),
+    block size (128, 64): empty, full and partial blocks, the prefetch jumping over empty
+    ones."""
     L = 330
     bm = create_block_mask(
         document_mask(_doc_ids(L, [20, 250, 40, 20]), causal=True), None, None, L, L,
@@ -150,8 +151,8 @@ def test_v2_document_causal_gqa_sinks(fake_cupy, monkeypatch) -> None:
     )  # fmt: skip
     kinds = set(np.unique(bm.kinds).tolist())
     assert kinds == {bmod.EMPTY, bmod.PARTIAL, bmod.FULL}, kinds
-    _run(monkeypatch, "v2", np.float16, 64, bm, B=1, Hq=4, Hkv=2, L=L, S=L, sinks=True,
-         want="aa_fwd_tc2<0, 64, false, 4, false>")  # fmt: skip
+    _run(monkeypatch, "v2", np.float16, 128, bm, B=1, Hq=4, Hkv=2, L=L, S=L, sinks=True,
+         want="aa_fwd_tc2<0, 128, false, 4, false>")  # fmt: skip
 
 
 @pytest.mark.slow
@@ -248,7 +249,7 @@ def test_table_layout_and_bits() -> None:
     Bt, Ht = bm.kinds.shape[:2]
     assert (nq, nk, qb, kb, wpr) == (4, 4, 64, 48, 2) and (tsb, tsh) == (Ht, 0)
     counts = t[oc:ol].reshape(Bt, Ht, nq)
-    lists = t[ol:ob].reshape(Bt, Ht, nq, nk, 2)
+    lists = t[ol:ob].reshape(Bt, Ht, nq, nk + 1, 2)
     words = t[ob:].view(np.uint32).reshape(-1, qb, wpr)
     dense = _dense(bm, 2, 1, L, S)
     seen = 0
@@ -257,6 +258,7 @@ def test_table_layout_and_bits() -> None:
             row = bm.kinds[b, 0, qi]
             listed = lists[b, 0, qi, : counts[b, 0, qi]]
             np.testing.assert_array_equal(listed[:, 0], np.nonzero(row)[0])
+            assert tuple(lists[b, 0, qi, counts[b, 0, qi]]) == (nk, -1)  # the end pair
             for kj, pid in listed:
                 assert (pid >= 0) == (row[kj] == bmod.PARTIAL)
                 if pid < 0:
@@ -281,7 +283,7 @@ def _spec(bm=None, mask_mod=None, score_mod=None, dtype=np.float16, d=64, L=256,
 def test_declines_and_routes(fake_cupy, monkeypatch) -> None:
     """What the kernels decline (score_mod, a plain mask_mod function without a block
     mask, block sizes the tiles do not divide) and which kernel runs a block mask: v2 at
-    D = 64, v1 at D = 128 (v2 spills there), v1 when v2's 64-key tiles do not fit."""
+    D = 64 and 128, v1 at other head dims and when v2's 64-key tiles do not fit."""
     from arrayattn.flex import causal_mask, softcap_score_mod
 
     L = 256
@@ -294,12 +296,13 @@ def test_declines_and_routes(fake_cupy, monkeypatch) -> None:
     bm = create_block_mask(causal_mask, None, None, L, L)
     assert fused.declines(_spec(bm)) is None
     assert fused.declines(_spec(mask_mod=causal_mask)) is None  # built-in: make_spec's mask
-    for d, variant in ((64, "v2"), (128, "v1")):
+    for d, variant in ((64, "v2"), (128, "v2"), (96, "v1"), (256, "v1")):
         spec = _spec(bm, d=d)
         assert fused._launch(spec, "float16", d, None).variant == variant
     bm32 = create_block_mask(causal_mask, None, None, L, L, block_size=(128, 32))
     assert "multiple of the kernel's" in fused.declines(_spec(bm32))  # D = 64: 64-key tiles
     assert fused.declines(_spec(bm32, d=128)) is None  # v1 at D = 128: 32-key tiles
+    assert fused._launch(_spec(bm32, d=128), "float16", 128, None).variant == "v1"
     odd = create_block_mask(causal_mask, None, None, L, L, block_size=(100, 100))
     assert "multiple of the kernel's" in fused.declines(_spec(odd))
     assert "multiple of the kernel's" in fused.declines(_spec(odd, dtype=np.float32))

@@ -135,8 +135,8 @@ AA_DEV A aa_score(A raw, A scale_log2, A scale, A cap, A inv_cap, const void* ma
 // ---------------------------------------------------------------------------------------
 // `flex` is one int32 buffer built once per BlockMask and device: a header, then per
 // (batch, head, query mask block) the number of non-empty key mask blocks and their list
-// in ascending order as (key block, partial id) pairs (partial id -1 for a full block),
-// then the bits of every partial block (row-major, wpr 32-bit words per row, bit c of a
+// in ascending order as (key block, partial id) pairs (partial id -1 for a full block)
+// ended by the pair (nk, -1), then the bits of every partial block (row-major, wpr 32-bit words per row, bit c of a
 // row's words = key c of the block; 1 = takes part). The kernel's query tile lies in one
 // query mask block and each key tile in one key mask block (the host checks
 // Q_BLOCK % BM == 0 and KV_BLOCK % BN == 0), so a block of the grid reads one list, visits
@@ -147,79 +147,68 @@ AA_DEV A aa_score(A raw, A scale_log2, A scale, A cap, A inv_cap, const void* ma
 #define AA_MASK_FLEX 4
 enum {
     AA_FLEX_NQ = 0,       // query mask blocks per (batch, head) table
-    AA_FLEX_NK = 1,       // key mask blocks (the capacity of each list)
+    AA_FLEX_NK = 1,       // key mask blocks (each list holds nk + 1 pairs)
     AA_FLEX_TSB = 2,      // table stride per batch index (0: one table for every batch)
     AA_FLEX_TSH = 3,      // table stride per query head (0: one for every head)
     AA_FLEX_QBLOCK = 4,   // Q_BLOCK
     AA_FLEX_KVBLOCK = 5,  // KV_BLOCK
     AA_FLEX_WPR = 6,      // 32-bit words per row of a partial block's bits
     AA_FLEX_CNT = 7,      // int32 offset of the counts (tables x nq)
-    AA_FLEX_LIST = 8,     // ... of the lists (tables x nq x nk pairs)
+    AA_FLEX_LIST = 8,     // ... of the lists (tables x nq x (nk + 1) pairs)
     AA_FLEX_BITS = 9,     // ... of the bits (partial id x Q_BLOCK x wpr words)
     AA_FLEX_HEADER = 16
 };
 
-// A grid block's view of its list: the listed blocks from position p on, the current
-// one's partial id and last tile + 1 (kernel key tiles of BN keys).
-struct AaFlexIter {
-    const int* list;  // (key block, partial id) pairs of this query mask block
-    int cnt;          // listed blocks
-    int tpb;          // kernel key tiles per key mask block (KV_BLOCK / BN)
-    int p;            // position of the current tile's block in the list
-    int pid;          // its partial id (-1: full)
-    int end;          // its last tile + 1
-};
+// A grid block walks its list with one int32 offset into `flex`, `cur`, at the (key
+// block, partial id) pair of its current tile's block; each list ends with the pair
+// (nk, -1), whose first tile nk * tpb is at or past every n_end. tpb: kernel key tiles per
+// key mask block (KV_BLOCK / BN), reloaded where needed, like the mask block's first row:
+// one register stays live across the main loop (the offset), which the tensor-core
+// kernels need (they run at the 255-register cap).
+template <int BN>
+AA_DEV int aa_flex_tpb(const int* flex) {
+    return flex[AA_FLEX_KVBLOCK] / BN;
+}
 
-// The first tile of the schedule inside [n_begin, n_end) (n_end when there is none); the
-// list scan is uniform across the grid block.
-AA_DEV int aa_flex_first(const int* flex, int b, int h, int r0, int bn, int n_begin, int n_end,
-                         AaFlexIter& f, int& q_row0) {
-    const int qb = flex[AA_FLEX_QBLOCK];
-    const int qi = r0 / qb;
-    q_row0 = qi * qb;
+// The first tile of the schedule inside [n_begin, n_end) (n_end when there is none), and
+// `cur` at its block; the list scan is uniform across the grid block.
+template <int BN>
+AA_DEV int aa_flex_first(const int* flex, int b, int h, int r0, int n_begin, int n_end,
+                         int& cur) {
+    const int tpb = aa_flex_tpb<BN>(flex);
     const long long row = ((long long)b * flex[AA_FLEX_TSB] + (long long)h * flex[AA_FLEX_TSH]) *
-                              flex[AA_FLEX_NQ] + qi;
-    f.cnt = flex[flex[AA_FLEX_CNT] + row];
-    f.list = flex + flex[AA_FLEX_LIST] + row * 2 * flex[AA_FLEX_NK];
-    f.tpb = flex[AA_FLEX_KVBLOCK] / bn;
-    f.p = 0;
-    while (f.p < f.cnt && (f.list[2 * f.p] + 1) * f.tpb <= n_begin) ++f.p;
-    if (f.p >= f.cnt) {
-        f.pid = -1;
-        f.end = n_end;
-        return n_end;
-    }
-    const int t0 = f.list[2 * f.p] * f.tpb;
-    f.pid = f.list[2 * f.p + 1];
-    f.end = t0 + f.tpb;
+                              flex[AA_FLEX_NQ] + r0 / flex[AA_FLEX_QBLOCK];
+    cur = (int)(flex[AA_FLEX_LIST] + row * 2 * (flex[AA_FLEX_NK] + 1));
+    while ((flex[cur] + 1) * tpb <= n_begin) cur += 2;  // (stops at the end pair at the latest)
+    const int t0 = flex[cur] * tpb;
     const int n = t0 > n_begin ? t0 : n_begin;
     return n < n_end ? n : n_end;
 }
 
 // The tile after tile n: the next one of the same key mask block, else the first of the
-// next listed block; n_end when none is left.
-AA_DEV int aa_flex_next(AaFlexIter& f, int n, int n_end) {
+// next listed block; n_end when none is left. (aa_flex_advance then moves `cur` on by one
+// pair when that tile is at or past the current block's end.)
+template <int BN>
+AA_DEV int aa_flex_next(const int* flex, int cur, int n, int n_end) {
+    const int tpb = aa_flex_tpb<BN>(flex);
     int nx = n + 1;
-    if (nx >= f.end) {
-        ++f.p;
-        if (f.p < f.cnt) {
-            nx = f.list[2 * f.p] * f.tpb;
-            f.pid = f.list[2 * f.p + 1];
-            f.end = nx + f.tpb;
-        } else {
-            nx = n_end;
-        }
-    }
+    if (nx >= (flex[cur] + 1) * tpb) nx = flex[cur + 2] * tpb;
     return nx < n_end ? nx : n_end;
 }
+template <int BN>
+AA_DEV void aa_flex_advance(const int* flex, int& cur, int n_next) {
+    if (n_next >= (flex[cur] + 1) * aa_flex_tpb<BN>(flex)) cur += 2;
+}
 
-// The bit words of partial block `pid` at row (row - q_row0) and key tile c0 (the first
-// word of the tile's keys; KV_BLOCK % BN == 0 and BN % 32 == 0 start tiles on a word).
-AA_DEV const aa_u32* aa_flex_words(const int* flex, const AaFlexIter& f, int q_row0, int row,
-                                   int c0, int bn) {
+// The bit words of the current block (partial) at `row` (of the grid block starting at
+// row r0) and key tile c0: the word holding key c0 of the tile (KV_BLOCK % BN == 0 and
+// BN % 32 == 0 start the tensor-core kernels' tiles on a word).
+template <int BN>
+AA_DEV const aa_u32* aa_flex_words(const int* flex, int cur, int r0, int row, int c0) {
+    const int qb = flex[AA_FLEX_QBLOCK];
     const int wpr = flex[AA_FLEX_WPR];
-    const int kcol = c0 - (f.end - f.tpb) * bn;  // key of the block at c0
-    const long long w = ((long long)f.pid * flex[AA_FLEX_QBLOCK] + (row - q_row0)) * wpr;
+    const int kcol = c0 - flex[cur] * flex[AA_FLEX_KVBLOCK];  // key of the block at c0
+    const long long w = ((long long)flex[cur + 1] * qb + (row - r0 + r0 % qb)) * wpr;
     return reinterpret_cast<const aa_u32*>(flex + flex[AA_FLEX_BITS]) + w + (kcol >> 5);
 }
 
@@ -393,10 +382,9 @@ __global__ void __launch_bounds__(AaTcCfg<D, MT>::NT, AaTcCfg<D, MT>::MIN_BLOCKS
     const int n_end = hi > lo ? (hi + BN - 1) / BN : n_begin;
     // Block masks: the listed key blocks' tiles inside [n_begin, n_end) only.
     constexpr bool FLEX = (MASK & AA_MASK_FLEX) != 0;
-    AaFlexIter fl{};
-    int q_row0 = 0;
+    int fcur = 0;  // flex[fcur]: the current tile's (key block, partial id) pair
     int n = n_begin;
-    if constexpr (FLEX) n = aa_flex_first(flex, b, h, r0, BN, n_begin, n_end, fl, q_row0);
+    if constexpr (FLEX) n = aa_flex_first<BN>(flex, b, h, r0, n_begin, n_end, fcur);
     const int n_first = n;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -454,8 +442,7 @@ __global__ void __launch_bounds__(AaTcCfg<D, MT>::NT, AaTcCfg<D, MT>::MIN_BLOCKS
     const aa_u32 v_lane = (aa_u32)((((lane & 7) + (((lane >> 3) & 1) << 3)) * DP + (lane >> 4) * 8) * 2);
 
     for (int it = 0; n < n_end; ++it) {
-        AaFlexIter fl_next = fl;
-        const int n_next = FLEX ? aa_flex_next(fl_next, n, n_end) : n + 1;
+        const int n_next = FLEX ? aa_flex_next<BN>(flex, fcur, n, n_end) : n + 1;
         const aa_u32 stage = (aa_u32)((FLEX ? it : n - n_begin) & 1) * STAGE;
         aa_cp_wait<1>();  // Q and K[n] have landed (V[n] may still be in flight)
         __syncthreads();
@@ -534,8 +521,8 @@ __global__ void __launch_bounds__(AaTcCfg<D, MT>::NT, AaTcCfg<D, MT>::MIN_BLOCKS
             }
         }
         if constexpr (FLEX) {  // a partial mask block: its bits
-            if (fl.pid >= 0)
-                aa_flex_mask_frag<MT, NS>(s, aa_flex_words(flex, fl, q_row0, row_w, c0, BN),
+            if (flex[fcur + 1] >= 0)
+                aa_flex_mask_frag<MT, NS>(s, aa_flex_words<BN>(flex, fcur, r0, row_w, c0),
                                           flex[AA_FLEX_WPR], t);
         }
 
@@ -613,8 +600,8 @@ __global__ void __launch_bounds__(AaTcCfg<D, MT>::NT, AaTcCfg<D, MT>::MIN_BLOCKS
                 }
             }
         }
+        if constexpr (FLEX) aa_flex_advance<BN>(flex, fcur, n_next);
         n = n_next;
-        if constexpr (FLEX) fl = fl_next;
     }
 
     // Epilogue: normalise once, stage the warp's rows through its own part of sQ, write
@@ -777,10 +764,9 @@ __global__ void __launch_bounds__(AaTc2Cfg<D>::NT, AaTc2Cfg<D>::MIN_BLOCKS)
     const int n_end = hi > lo ? (hi + BN - 1) / BN : n_begin;
     // Block masks: the listed key blocks' tiles inside [n_begin, n_end) only.
     constexpr bool FLEX = (MASK & AA_MASK_FLEX) != 0;
-    AaFlexIter fl{};
-    int q_row0 = 0;
+    int fcur = 0;  // flex[fcur]: the current tile's (key block, partial id) pair
     int n = n_begin;
-    if constexpr (FLEX) n = aa_flex_first(flex, b, h, r0, BN, n_begin, n_end, fl, q_row0);
+    if constexpr (FLEX) n = aa_flex_first<BN>(flex, b, h, r0, n_begin, n_end, fcur);
     const int n_first = n;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -829,8 +815,7 @@ __global__ void __launch_bounds__(AaTc2Cfg<D>::NT, AaTc2Cfg<D>::MIN_BLOCKS)
     const aa_u32 v_lane = (aa_u32)((((lane & 7) + (((lane >> 3) & 1) << 3)) * DP + (lane >> 4) * 8) * 2);
 
     for (int it = 0; n < n_end; ++it) {
-        AaFlexIter fl_next = fl;
-        const int n_next = FLEX ? aa_flex_next(fl_next, n, n_end) : n + 1;
+        const int n_next = FLEX ? aa_flex_next<BN>(flex, fcur, n, n_end) : n + 1;
         const aa_u32 stage = (aa_u32)((FLEX ? it : n - n_begin) & 1) * STAGE;
         aa_cp_wait<0>();  // this thread's copies of K[n] and V[n] (and Q) have landed
         __syncthreads();  // ... every thread's; and tile n - 1's stage is no longer read
@@ -921,8 +906,8 @@ __global__ void __launch_bounds__(AaTc2Cfg<D>::NT, AaTc2Cfg<D>::MIN_BLOCKS)
                     }
         }
         if constexpr (FLEX) {  // a partial mask block: its bits (-inf stays -inf raw)
-            if (fl.pid >= 0)
-                aa_flex_mask_frag<MT, NS>(s, aa_flex_words(flex, fl, q_row0, row_w, c0, BN),
+            if (flex[fcur + 1] >= 0)
+                aa_flex_mask_frag<MT, NS>(s, aa_flex_words<BN>(flex, fcur, r0, row_w, c0),
                                           flex[AA_FLEX_WPR], t);
         }
 
@@ -998,8 +983,8 @@ __global__ void __launch_bounds__(AaTc2Cfg<D>::NT, AaTc2Cfg<D>::MIN_BLOCKS)
                 }
             }
         }
+        if constexpr (FLEX) aa_flex_advance<BN>(flex, fcur, n_next);
         n = n_next;
-        if constexpr (FLEX) fl = fl_next;
     }
 
     // Epilogue (as aa_fwd_tc): normalise once, stage the warp's rows through its own part
@@ -1114,10 +1099,9 @@ __global__ void __launch_bounds__(AaSimtCfg<T, D>::NT, AaSimtCfg<T, D>::MIN_BLOC
     const int n_end = hi > lo ? (hi + BN - 1) / BN : n_begin;
     // Block masks: the listed key blocks' tiles inside [n_begin, n_end) only.
     constexpr bool FLEX = (MASK & AA_MASK_FLEX) != 0;
-    AaFlexIter fl{};
-    int q_row0 = 0;
+    int fcur = 0;  // flex[fcur]: the current tile's (key block, partial id) pair
     int n = n_begin;
-    if constexpr (FLEX) n = aa_flex_first(flex, b, h, r0, BN, n_begin, n_end, fl, q_row0);
+    if constexpr (FLEX) n = aa_flex_first<BN>(flex, b, h, r0, n_begin, n_end, fcur);
     const int n_first = n;
 
     const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
@@ -1167,8 +1151,7 @@ __global__ void __launch_bounds__(AaSimtCfg<T, D>::NT, AaSimtCfg<T, D>::MIN_BLOC
     const long long m_base = sq.tb * m_sb + h * m_sh;
 
     for (int it = 0; n < n_end; ++it) {
-        AaFlexIter fl_next = fl;
-        const int n_next = FLEX ? aa_flex_next(fl_next, n, n_end) : n + 1;
+        const int n_next = FLEX ? aa_flex_next<BN>(flex, fcur, n, n_end) : n + 1;
         const int c0 = n * BN;
         const int st = (FLEX ? it : n - n_begin) & 1;
         const T* sK = sK0 + st * BN * KP;
@@ -1202,9 +1185,9 @@ __global__ void __launch_bounds__(AaSimtCfg<T, D>::NT, AaSimtCfg<T, D>::MIN_BLOC
         const aa_u32* fw = nullptr;
         int fbit = 0, fwpr = 0;
         if constexpr (FLEX) {
-            if (fl.pid >= 0) {
-                fw = aa_flex_words(flex, fl, q_row0, r0 + ty * RM, c0, BN);
-                fbit = (c0 - (fl.end - fl.tpb) * BN) & 31;
+            if (flex[fcur + 1] >= 0) {
+                fw = aa_flex_words<BN>(flex, fcur, r0, r0 + ty * RM, c0);
+                fbit = (c0 - flex[fcur] * flex[AA_FLEX_KVBLOCK]) & 31;
                 fwpr = flex[AA_FLEX_WPR];
             }
         }
@@ -1274,8 +1257,8 @@ __global__ void __launch_bounds__(AaSimtCfg<T, D>::NT, AaSimtCfg<T, D>::MIN_BLOC
 #pragma unroll
                 for (int c = 0; c < VC; ++c) acc[r][c] = fma(pv[r], vv[c], acc[r][c]);
         }
+        if constexpr (FLEX) aa_flex_advance<BN>(flex, fcur, n_next);
         n = n_next;
-        if constexpr (FLEX) fl = fl_next;
     }
 
     aa_cp_wait<0>();

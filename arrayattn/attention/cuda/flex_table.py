@@ -8,8 +8,10 @@ Layout (``attn_fwd.cu``, "Block masks"; ``AA_FLEX_*``): a header of
 * ``counts``: per (batch, head, query mask block) the number of non-empty key mask
   blocks (``(B or 1, H or 1, nq)``);
 * ``lists``: per (batch, head, query mask block) those key blocks in ascending order as
-  ``(key block, partial id)`` pairs, partial id ``-1`` for a full block
-  (``(B or 1, H or 1, nq, nk, 2)``; entries past the count are unused);
+  ``(key block, partial id)`` pairs, partial id ``-1`` for a full block, ended by the pair
+  ``(nk, -1)`` (``(B or 1, H or 1, nq, nk + 1, 2)``; entries past the end are unused; the
+  kernels walk a list with one pointer and stop at the end pair, whose first tile lies
+  at or past every key range);
 * ``bits``: the elementwise mask of every partial block, ``(P, Q_BLOCK, wpr)`` 32-bit
   words (bit ``c`` of a row's words is key ``c`` of the block; 1 = takes part), from
   one evaluation of the mask_mod on the partial blocks only (index arrays in the block
@@ -68,7 +70,12 @@ def host_layout(kinds: np.ndarray, q_block: int, kv_block: int) -> tuple[np.ndar
     pid = np.where(is_partial, np.cumsum(is_partial.reshape(-1)).reshape(kinds.shape) - 1, -1)
     counts = nonempty.sum(axis=-1).astype(np.int32)
     order = np.argsort(~nonempty, axis=-1, kind="stable").astype(np.int32)
-    lists = np.stack([order, np.take_along_axis(pid, order, axis=-1).astype(np.int32)], axis=-1)
+    lists = np.empty((Bt, Ht, nq, nk + 1, 2), np.int32)
+    lists[..., :nk, 0] = order
+    lists[..., :nk, 1] = np.take_along_axis(pid, order, axis=-1)
+    end = counts[..., None].astype(np.int64)  # the end pair right after the listed blocks
+    np.put_along_axis(lists[..., 0], end, nk, axis=-1)
+    np.put_along_axis(lists[..., 1], end, -1, axis=-1)
     off_cnt = HEADER
     off_list = off_cnt + counts.size
     off_bits = off_list + lists.size

@@ -253,21 +253,19 @@ def v2_declines(
     """``None`` when ``aa_fwd_tc2`` serves the call, else why ``aa_fwd_tc`` (v1) does:
     float32/float64 (CUDA-core kernels), head dims other than :data:`V2_HEAD_DIMS`,
     dropout (the hash per element does not fit the register budget of 32 rows x 64 keys
-    per warp), softcap / dense masks / block masks (``mask_kind & 4``) / ALiBi above
-    D = 64 (:data:`V2_FEATURE_HEAD_DIMS`; they spill: a block mask 24/32 bytes at D = 128,
-    bench/FORWARD_KERNEL_NOTES.md), and a scale that is not positive (v2 takes the row
+    per warp), softcap / dense masks / ALiBi above D = 64 (:data:`V2_FEATURE_HEAD_DIMS`;
+    they spill), and a scale that is not positive (v2 takes the row
     max on raw scores and scales it once, which needs ``scale > 0``). Sinks, causal
-    (both alignments), windows, lengths and GQA run on v2 at every v2 head dim."""
+    (both alignments), windows, lengths, GQA and block masks (``mask_kind`` 4,
+    ``arrayattn.flex``) run on v2 at every v2 head dim."""
     if kind not in ("float16", "bfloat16"):
         return f"v2 is a tensor-core kernel (float16/bfloat16), not {kind}"
     if d not in V2_HEAD_DIMS:
         return f"v2 is instantiated for head dims {V2_HEAD_DIMS}, not {d}"
     if dropout:
         return "v2 has no dropout (register budget); v1 runs it"
-    if (softcap or mask_kind or alibi) and d not in V2_FEATURE_HEAD_DIMS:
-        return (
-            f"v2 runs softcap, dense and block masks and ALiBi at D in {V2_FEATURE_HEAD_DIMS} only"
-        )
+    if (softcap or mask_kind & 3 or alibi) and d not in V2_FEATURE_HEAD_DIMS:
+        return f"v2 runs softcap, dense masks and ALiBi at D in {V2_FEATURE_HEAD_DIMS} only"
     if not scale >= 1e-30:  # > 0, and scale * log2(e) a normal float32 (NaN fails too)
         return f"v2 needs scale > 0 (row max on raw scores), got {scale}"
     return None
@@ -366,11 +364,15 @@ def _v2_variants() -> list[str]:
             forward_kernel_name_v2("float16", d, False, 2, False),
             forward_kernel_name_v2("float16", d, False, 0, True),
             forward_kernel_name_v2("bfloat16", d, True, 1, True),
-            # block masks (arrayattn.flex), alone and with a bool mask and every feature
-            forward_kernel_name_v2("float16", d, False, 4, False),
-            forward_kernel_name_v2("bfloat16", d, False, 4, False),
+            # a block mask (arrayattn.flex) with a bool mask and every feature
             forward_kernel_name_v2("bfloat16", d, True, 5, True),
         ]
+    # block masks (arrayattn.flex; MASK 4) at every v2 head dim
+    out += [
+        forward_kernel_name_v2(kind, d, False, 4, False)
+        for kind in ("float16", "bfloat16")
+        for d in V2_HEAD_DIMS
+    ]
     return out
 
 
