@@ -81,6 +81,17 @@ def forward_variants() -> list[tuple[str, str, int, int | None]]:
     add("float64", 256, True, True, 2)
     for d in (64, 128):
         add("float16", d, False, False, 0, mt=3 - tc_row_tiles(d))
+    # Block masks (arrayattn.flex; MASK | 4): every kernel family, alone and mixed (v1 runs
+    # them at D = 32, 96, 128 and 256, v2 at D = 64; tiles.v2_declines).
+    for d in (64, 128, 256):
+        add("float16", d, False, False, 4)
+    add("bfloat16", 128, False, False, 4)
+    add("float16", 128, True, True, 5)
+    add("bfloat16", 64, True, False, 6)
+    add("float32", 64, False, False, 4)
+    add("float32", 128, True, False, 5)
+    add("float64", 64, False, False, 4)
+    add("float64", 256, False, True, 6)
     return out
 
 

@@ -62,6 +62,9 @@ class BlockMask:
     _runs: dict[tuple[Any, ...], list[tuple[int, int, bool]]] = field(
         default_factory=dict, repr=False
     )
+    # Per-device derived tables (the CUDA kernels' block table and partial-block bits,
+    # arrayattn/attention/cuda/flex_table.py), built on first use and reused.
+    _tables: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @property
     def BLOCK_SIZE(self) -> tuple[int, int]:  # noqa: N802 (FlexAttention's name)

@@ -70,7 +70,8 @@ int main(int argc, char** argv) {
                   Hq * L, L, m_sb, m_sh, S, 1, (int)L, (int)S, (int)G, (int)br, (int)left,
                   (int)right, (AA_TACC)(scale * AA_LOG2E), (AA_TACC)scale, capv,
                   (AA_TACC)(1.0 / capv), (aa_u32)seed, (aa_u32)thr, (AA_TACC)inv_keep,
-                  has_sinks ? sinks.data() : nullptr, has_alibi ? alibi.data() : nullptr);
+                  has_sinks ? sinks.data() : nullptr, has_alibi ? alibi.data() : nullptr,
+                  nullptr);  // flex: block masks run through test_forward_flex_emulated.py
     });
     (void)log2e;
     std::FILE* g = std::fopen(argv[2], "wb");

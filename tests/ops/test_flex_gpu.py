@@ -1,8 +1,9 @@
 """Structured attention (``arrayattn.flex``) on CuPy arrays on a real GPU, against the
-same calls on NumPy in float64. The fused kernels decline mask_mod/score_mod calls, so
-``"auto"`` runs the array-API chunked path on the GPU: this checks that path, the block
-mask built with ``xp=cupy`` (document ids on the device) and the score_mod's table
-gradient there. Skips cleanly without CuPy or without a CUDA device."""
+same calls on NumPy in float64. The fused kernels run block masks but decline score_mod
+calls, so ``"auto"`` runs those on the array-API chunked path on the GPU: this checks that
+path, the block mask built with ``xp=cupy`` (document ids on the device) and the
+score_mod's table gradient there (block masks in the kernels:
+tests/kernels/test_fused_flex_gpu.py). Skips cleanly without CuPy or without a CUDA device."""
 
 from __future__ import annotations
 
@@ -66,12 +67,15 @@ def test_document_mask_with_t5_bias_equals_numpy(dtype, tol, B, Hq, Hkv, L) -> N
         assert _rel(a_np[fin], b_np[fin]) <= tol, (name, _rel(a_np[fin], b_np[fin]))
 
 
-def test_auto_runs_the_chunked_path_for_flex_on_cupy() -> None:
+def test_auto_runs_the_chunked_path_for_score_mod_on_cupy() -> None:
     q = cp.ones((1, 2, 256, 64), dtype=cp.float16)
     bm = flex.create_block_mask(flex.causal_mask, None, None, 256, 256, xp=cp)
     spec = make_spec(q, q, q, None, 0.0, False, None, False, "top_left", None, None, None,
-                     block_mask=bm)  # fmt: skip
+                     block_mask=bm, score_mod=flex.softcap_score_mod(50.0))  # fmt: skip
     assert auto_choice(spec) in ("chunked", "composed")
+    spec = make_spec(q, q, q, None, 0.0, False, None, False, "top_left", None, None, None,
+                     block_mask=bm)  # fmt: skip
+    assert auto_choice(spec) == "fused"  # a block mask alone runs in the kernels
     out = aa.scaled_dot_product_attention(q, q, q, block_mask=bm)
     ref = aa.scaled_dot_product_attention(q, q, q, is_causal=True)
     assert float(cp.max(cp.abs(out.astype(cp.float32) - ref.astype(cp.float32)))) < 2e-3

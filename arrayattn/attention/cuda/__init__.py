@@ -8,7 +8,8 @@
 - ``decode_attn.cu`` / :mod:`.decode`: split-KV decode for a few query rows over a long
   cache (also ``PagedKVCache``'s kernel path);
 - :mod:`.operands`: how the kernels see a call (dtype kind, device, diagonal, operand
-  layouts); :mod:`.tiles`: the forward's tile shapes and schedule in plain Python;
+  layouts); :mod:`.flex_table`: block masks (``arrayattn.flex``) as the forward kernels
+  read them; :mod:`.tiles`: the forward's tile shapes and schedule in plain Python;
   :mod:`._loader`: the ``.cu`` sources as CuPy compiles them; :mod:`._bridge`: PyTorch
   and JAX GPU arrays through DLPack; ``common.cuh``/``elem16.cuh``: shared device code.
 

@@ -16,7 +16,8 @@
 // added to every score after the softcap.
 // MASK: 0 none, 1 dense bool (uint8, nonzero = takes part), 2 dense float bias (float32 for
 // the tc and float kernels, float64 for double), read through four int64 element strides so
-// any broadcast works.
+// any broadcast works; plus AA_MASK_FLEX (4: 4, 5, 6) for a block mask (arrayattn.flex), read
+// from the `flex` table (see "Block masks" below; null otherwise).
 //
 // Grid: (query blocks, Hq, batch or sequence). A block keeps its Q tile (in registers for
 // D <= 128) while K/V tiles stream through shared memory; online softmax in the log2
@@ -95,7 +96,7 @@ AA_DEV AaSeq aa_sequence(int b, const int* q_lens, const int* kv_lens, const int
         long long m_sr, long long m_sc, int L, int S, int G, int diag, int left,            \
         int right, TACC scale_log2, TACC scale, TACC softcap, TACC inv_softcap,             \
         aa_u32 seed, aa_u32 threshold, TACC inv_keep, const TACC *__restrict__ sinks,       \
-        const TACC *__restrict__ alibi
+        const TACC *__restrict__ alibi, const int *__restrict__ flex
 
 // Sinks (gpt-oss): fold one more logit sink2 (log2 domain) with no value into a row's
 // running max m and sum l at the end; returns the factor the row's accumulator takes
@@ -121,12 +122,119 @@ AA_DEV A aa_score(A raw, A scale_log2, A scale, A cap, A inv_cap, const void* ma
     } else {
         x = raw * scale_log2;
     }
-    if constexpr (MASK == 1) {
+    if constexpr ((MASK & 3) == 1) {
         if (static_cast<const unsigned char*>(mask)[m_off] == 0) x = aa_neg_inf<A>();
-    } else if constexpr (MASK == 2) {
+    } else if constexpr ((MASK & 3) == 2) {
         x += static_cast<const A*>(mask)[m_off] * (A)AA_LOG2E;
     }
     return x;
+}
+
+// ---------------------------------------------------------------------------------------
+// Block masks (MASK & AA_MASK_FLEX; arrayattn.flex, host side cuda/flex_table.py)
+// ---------------------------------------------------------------------------------------
+// `flex` is one int32 buffer built once per BlockMask and device: a header, then per
+// (batch, head, query mask block) the number of non-empty key mask blocks and their list
+// in ascending order as (key block, partial id) pairs (partial id -1 for a full block)
+// ended by the pair (nk, -1), then the bits of every partial block (row-major, wpr 32-bit words per row, bit c of a
+// row's words = key c of the block; 1 = takes part). The kernel's query tile lies in one
+// query mask block and each key tile in one key mask block (the host checks
+// Q_BLOCK % BM == 0 and KV_BLOCK % BN == 0), so a block of the grid reads one list, visits
+// the tiles of the listed blocks inside its structural key range [n_begin, n_end) (empty
+// blocks cost nothing; the cp.async prefetch fetches the next listed tile), and on tiles
+// of partial blocks sets the scores the bits exclude to -inf, where a dense bool mask
+// would (so every other mask is ANDed, and empty rows stay output 0, LSE -inf or the sink).
+#define AA_MASK_FLEX 4
+enum {
+    AA_FLEX_NQ = 0,       // query mask blocks per (batch, head) table
+    AA_FLEX_NK = 1,       // key mask blocks (each list holds nk + 1 pairs)
+    AA_FLEX_TSB = 2,      // table stride per batch index (0: one table for every batch)
+    AA_FLEX_TSH = 3,      // table stride per query head (0: one for every head)
+    AA_FLEX_QBLOCK = 4,   // Q_BLOCK
+    AA_FLEX_KVBLOCK = 5,  // KV_BLOCK
+    AA_FLEX_WPR = 6,      // 32-bit words per row of a partial block's bits
+    AA_FLEX_CNT = 7,      // int32 offset of the counts (tables x nq)
+    AA_FLEX_LIST = 8,     // ... of the lists (tables x nq x (nk + 1) pairs)
+    AA_FLEX_BITS = 9,     // ... of the bits (partial id x Q_BLOCK x wpr words)
+    AA_FLEX_HEADER = 16
+};
+
+// A grid block walks its list with one int32 offset into `flex`, `cur`, at the (key
+// block, partial id) pair of its current tile's block; each list ends with the pair
+// (nk, -1), whose first tile nk * tpb is at or past every n_end. tpb: kernel key tiles per
+// key mask block (KV_BLOCK / BN), reloaded where needed, like the mask block's first row:
+// one register stays live across the main loop (the offset), which the tensor-core
+// kernels need (they run at the 255-register cap).
+template <int BN>
+AA_DEV int aa_flex_tpb(const int* flex) {
+    return flex[AA_FLEX_KVBLOCK] / BN;
+}
+
+// The first tile of the schedule inside [n_begin, n_end) (n_end when there is none), and
+// `cur` at its block; the list scan is uniform across the grid block.
+template <int BN>
+AA_DEV int aa_flex_first(const int* flex, int b, int h, int r0, int n_begin, int n_end,
+                         int& cur) {
+    const int tpb = aa_flex_tpb<BN>(flex);
+    const long long row = ((long long)b * flex[AA_FLEX_TSB] + (long long)h * flex[AA_FLEX_TSH]) *
+                              flex[AA_FLEX_NQ] + r0 / flex[AA_FLEX_QBLOCK];
+    cur = (int)(flex[AA_FLEX_LIST] + row * 2 * (flex[AA_FLEX_NK] + 1));
+    while ((flex[cur] + 1) * tpb <= n_begin) cur += 2;  // (stops at the end pair at the latest)
+    const int t0 = flex[cur] * tpb;
+    const int n = t0 > n_begin ? t0 : n_begin;
+    return n < n_end ? n : n_end;
+}
+
+// The tile after tile n: the next one of the same key mask block, else the first of the
+// next listed block; n_end when none is left. (aa_flex_advance then moves `cur` on by one
+// pair when that tile is at or past the current block's end.)
+template <int BN>
+AA_DEV int aa_flex_next(const int* flex, int cur, int n, int n_end) {
+    const int tpb = aa_flex_tpb<BN>(flex);
+    int nx = n + 1;
+    if (nx >= (flex[cur] + 1) * tpb) nx = flex[cur + 2] * tpb;
+    return nx < n_end ? nx : n_end;
+}
+template <int BN>
+AA_DEV void aa_flex_advance(const int* flex, int& cur, int n_next) {
+    if (n_next >= (flex[cur] + 1) * aa_flex_tpb<BN>(flex)) cur += 2;
+}
+
+// The bit words of the current block (partial) at `row` (of the grid block starting at
+// row r0) and key tile c0: the word holding key c0 of the tile (KV_BLOCK % BN == 0 and
+// BN % 32 == 0 start the tensor-core kernels' tiles on a word).
+template <int BN>
+AA_DEV const aa_u32* aa_flex_words(const int* flex, int cur, int r0, int row, int c0) {
+    const int qb = flex[AA_FLEX_QBLOCK];
+    const int wpr = flex[AA_FLEX_WPR];
+    const int kcol = c0 - flex[cur] * flex[AA_FLEX_KVBLOCK];  // key of the block at c0
+    const long long w = ((long long)flex[cur + 1] * qb + (row - r0 + r0 % qb)) * wpr;
+    return reinterpret_cast<const aa_u32*>(flex + flex[AA_FLEX_BITS]) + w + (kcol >> 5);
+}
+
+// Tensor-core fragments (aa_fwd_tc, aa_fwd_tc2): element e of n-tile nt of row tile mt
+// sits at row row_w + 16 mt + 8 (e >> 1), key c0 + 8 nt + 2 t + (e & 1); w: the words of
+// row row_w at key c0 (aa_flex_words), wpr words per row.
+template <int MT, int NS>
+AA_DEV void aa_flex_mask_frag(float (&s)[MT][NS][4], const aa_u32* w, int wpr, int t) {
+    static_assert(NS % 4 == 0, "key tiles of whole 32-bit words");
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const aa_u32* wr = w + (16 * mt + 8 * half) * wpr;
+            aa_u32 wd[NS / 4];
+#pragma unroll
+            for (int i = 0; i < NS / 4; ++i) wd[i] = wr[i];
+#pragma unroll
+            for (int nt = 0; nt < NS; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const bool ok = (wd[nt >> 2] >> ((nt & 3) * 8 + 2 * t + e)) & 1u;
+                    float& x = s[mt][nt][2 * half + e];
+                    x = ok ? x : aa_neg_inf_f();
+                }
+        }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -272,6 +380,12 @@ __global__ void __launch_bounds__(AaTcCfg<D, MT>::NT, AaTcCfg<D, MT>::MIN_BLOCKS
                  sq.kv_len, lo, hi);
     const int n_begin = lo / BN;
     const int n_end = hi > lo ? (hi + BN - 1) / BN : n_begin;
+    // Block masks: the listed key blocks' tiles inside [n_begin, n_end) only.
+    constexpr bool FLEX = (MASK & AA_MASK_FLEX) != 0;
+    int fcur = 0;  // flex[fcur]: the current tile's (key block, partial id) pair
+    int n = n_begin;
+    if constexpr (FLEX) n = aa_flex_first<BN>(flex, b, h, r0, n_begin, n_end, fcur);
+    const int n_first = n;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
@@ -290,8 +404,8 @@ __global__ void __launch_bounds__(AaTcCfg<D, MT>::NT, AaTcCfg<D, MT>::MIN_BLOCKS
     // Prologue: Q, K[n_begin], V[n_begin] as three commit groups.
     aa_tile_async<BM, D, DP, NT>(sQa, qg, q_sr, rows_valid, q, tid);
     aa_cp_commit();
-    if (n_begin < n_end) {
-        const int c0 = n_begin * BN;
+    if (n_first < n_end) {
+        const int c0 = n_first * BN;
         aa_tile_async<BN, D, DP, NT>(sKa, kg + c0 * k_sr, k_sr, sq.kv_len - c0, k, tid);
         aa_cp_commit();
         aa_tile_async<BN, D, DP, NT>(sVa, vg + c0 * v_sr, v_sr, sq.kv_len - c0, v, tid);
@@ -327,19 +441,20 @@ __global__ void __launch_bounds__(AaTcCfg<D, MT>::NT, AaTcCfg<D, MT>::MIN_BLOCKS
     const aa_u32 k_lane = (aa_u32)((((lane & 7) + ((lane >> 4) << 3)) * DP + ((lane >> 3) & 1) * 8) * 2);
     const aa_u32 v_lane = (aa_u32)((((lane & 7) + (((lane >> 3) & 1) << 3)) * DP + (lane >> 4) * 8) * 2);
 
-    for (int n = n_begin; n < n_end; ++n) {
-        const aa_u32 stage = (aa_u32)((n - n_begin) & 1) * STAGE;
+    for (int it = 0; n < n_end; ++it) {
+        const int n_next = FLEX ? aa_flex_next<BN>(flex, fcur, n, n_end) : n + 1;
+        const aa_u32 stage = (aa_u32)((FLEX ? it : n - n_begin) & 1) * STAGE;
         aa_cp_wait<1>();  // Q and K[n] have landed (V[n] may still be in flight)
         __syncthreads();
         if constexpr (C::Q_IN_REGS) {
-            if (n == n_begin) {
+            if (n == n_first) {
 #pragma unroll
                 for (int ks = 0; ks < KS; ++ks)
                     aa_ldsm_x4(sQa + q_lane + ks * 32, qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3]);
             }
         }
-        if (n + 1 < n_end) {
-            const int c1 = (n + 1) * BN;
+        if (n_next < n_end) {
+            const int c1 = n_next * BN;
             aa_tile_async<BN, D, DP, NT>(sKa + (STAGE ^ stage), kg + c1 * k_sr, k_sr,
                                          sq.kv_len - c1, k, tid);
         }
@@ -405,6 +520,11 @@ __global__ void __launch_bounds__(AaTcCfg<D, MT>::NT, AaTcCfg<D, MT>::MIN_BLOCKS
                 }
             }
         }
+        if constexpr (FLEX) {  // a partial mask block: its bits
+            if (flex[fcur + 1] >= 0)
+                aa_flex_mask_frag<MT, NS>(s, aa_flex_words<BN>(flex, fcur, r0, row_w, c0),
+                                          flex[AA_FLEX_WPR], t);
+        }
 
         // Online softmax: running max over the row (4 threads share a row), rescale.
 #pragma unroll
@@ -450,8 +570,8 @@ __global__ void __launch_bounds__(AaTcCfg<D, MT>::NT, AaTcCfg<D, MT>::MIN_BLOCKS
 
         aa_cp_wait<1>();  // V[n] has landed (K[n+1] may still be in flight)
         __syncthreads();
-        if (n + 1 < n_end) {
-            const int c1 = (n + 1) * BN;
+        if (n_next < n_end) {
+            const int c1 = n_next * BN;
             aa_tile_async<BN, D, DP, NT>(sVa + (STAGE ^ stage), vg + c1 * v_sr, v_sr,
                                          sq.kv_len - c1, v, tid);
         }
@@ -480,6 +600,8 @@ __global__ void __launch_bounds__(AaTcCfg<D, MT>::NT, AaTcCfg<D, MT>::MIN_BLOCKS
                 }
             }
         }
+        if constexpr (FLEX) aa_flex_advance<BN>(flex, fcur, n_next);
+        n = n_next;
     }
 
     // Epilogue: normalise once, stage the warp's rows through its own part of sQ, write
@@ -624,7 +746,7 @@ __global__ void __launch_bounds__(AaTc2Cfg<D>::NT, AaTc2Cfg<D>::MIN_BLOCKS)
     constexpr int NO = D / 8;    // O n-tiles per row tile
     constexpr int KS = D / 16;   // k-steps of Q K^T
     constexpr int WR = 16 * MT;  // rows per warp
-    constexpr bool RAW = !SOFTCAP && MASK == 0 && !ALIBI;
+    constexpr bool RAW = !SOFTCAP && (MASK & 3) == 0 && !ALIBI;
 
     const int b = blockIdx.z, h = blockIdx.y;
     const AaSeq sq = aa_sequence(b, q_lens, kv_lens, cu_q, cu_k, L, S, diag);
@@ -640,6 +762,12 @@ __global__ void __launch_bounds__(AaTc2Cfg<D>::NT, AaTc2Cfg<D>::MIN_BLOCKS)
                  sq.kv_len, lo, hi);
     const int n_begin = lo / BN;
     const int n_end = hi > lo ? (hi + BN - 1) / BN : n_begin;
+    // Block masks: the listed key blocks' tiles inside [n_begin, n_end) only.
+    constexpr bool FLEX = (MASK & AA_MASK_FLEX) != 0;
+    int fcur = 0;  // flex[fcur]: the current tile's (key block, partial id) pair
+    int n = n_begin;
+    if constexpr (FLEX) n = aa_flex_first<BN>(flex, b, h, r0, n_begin, n_end, fcur);
+    const int n_first = n;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
@@ -658,8 +786,8 @@ __global__ void __launch_bounds__(AaTc2Cfg<D>::NT, AaTc2Cfg<D>::MIN_BLOCKS)
     // Prologue: Q, K[n_begin] and V[n_begin] as one commit group (the first tile waits
     // for all three anyway).
     aa_tile_async<BM, D, DP, NT>(sQa, qg, q_sr, rows_valid, q, tid);
-    if (n_begin < n_end) {
-        const int c0 = n_begin * BN;
+    if (n_first < n_end) {
+        const int c0 = n_first * BN;
         aa_tile_async_rows<BN, D, DP, NT>(sKa, kg + c0 * k_sr, k_sr, sq.kv_len - c0, k, tid);
         aa_tile_async_rows<BN, D, DP, NT>(sVa, vg + c0 * v_sr, v_sr, sq.kv_len - c0, v, tid);
     }
@@ -686,12 +814,13 @@ __global__ void __launch_bounds__(AaTc2Cfg<D>::NT, AaTc2Cfg<D>::MIN_BLOCKS)
     const aa_u32 k_lane = (aa_u32)((((lane & 7) + ((lane >> 4) << 3)) * DP + ((lane >> 3) & 1) * 8) * 2);
     const aa_u32 v_lane = (aa_u32)((((lane & 7) + (((lane >> 3) & 1) << 3)) * DP + (lane >> 4) * 8) * 2);
 
-    for (int n = n_begin; n < n_end; ++n) {
-        const aa_u32 stage = (aa_u32)((n - n_begin) & 1) * STAGE;
+    for (int it = 0; n < n_end; ++it) {
+        const int n_next = FLEX ? aa_flex_next<BN>(flex, fcur, n, n_end) : n + 1;
+        const aa_u32 stage = (aa_u32)((FLEX ? it : n - n_begin) & 1) * STAGE;
         aa_cp_wait<0>();  // this thread's copies of K[n] and V[n] (and Q) have landed
         __syncthreads();  // ... every thread's; and tile n - 1's stage is no longer read
-        if (n + 1 < n_end) {
-            const int c1 = (n + 1) * BN;
+        if (n_next < n_end) {
+            const int c1 = n_next * BN;
             aa_tile_async_rows<BN, D, DP, NT>(sKa + (STAGE ^ stage), kg + c1 * k_sr, k_sr,
                                          sq.kv_len - c1, k, tid);
             aa_tile_async_rows<BN, D, DP, NT>(sVa + (STAGE ^ stage), vg + c1 * v_sr, v_sr,
@@ -776,6 +905,11 @@ __global__ void __launch_bounds__(AaTc2Cfg<D>::NT, AaTc2Cfg<D>::MIN_BLOCKS)
                         s[mt][nt][e] = x;
                     }
         }
+        if constexpr (FLEX) {  // a partial mask block: its bits (-inf stays -inf raw)
+            if (flex[fcur + 1] >= 0)
+                aa_flex_mask_frag<MT, NS>(s, aa_flex_words<BN>(flex, fcur, r0, row_w, c0),
+                                          flex[AA_FLEX_WPR], t);
+        }
 
         // Online softmax: the tile's row max (4 threads share a row), scaled once per row.
         float m_use[MT][2], alpha[MT][2];
@@ -849,6 +983,8 @@ __global__ void __launch_bounds__(AaTc2Cfg<D>::NT, AaTc2Cfg<D>::MIN_BLOCKS)
                 }
             }
         }
+        if constexpr (FLEX) aa_flex_advance<BN>(flex, fcur, n_next);
+        n = n_next;
     }
 
     // Epilogue (as aa_fwd_tc): normalise once, stage the warp's rows through its own part
@@ -961,6 +1097,12 @@ __global__ void __launch_bounds__(AaSimtCfg<T, D>::NT, AaSimtCfg<T, D>::MIN_BLOC
                  sq.kv_len, lo, hi);
     const int n_begin = lo / BN;
     const int n_end = hi > lo ? (hi + BN - 1) / BN : n_begin;
+    // Block masks: the listed key blocks' tiles inside [n_begin, n_end) only.
+    constexpr bool FLEX = (MASK & AA_MASK_FLEX) != 0;
+    int fcur = 0;  // flex[fcur]: the current tile's (key block, partial id) pair
+    int n = n_begin;
+    if constexpr (FLEX) n = aa_flex_first<BN>(flex, b, h, r0, n_begin, n_end, fcur);
+    const int n_first = n;
 
     const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
     T* sQt = reinterpret_cast<T*>(aa_smem);  // [D][QP]
@@ -984,10 +1126,10 @@ __global__ void __launch_bounds__(AaSimtCfg<T, D>::NT, AaSimtCfg<T, D>::MIN_BLOC
                                         valid ? src + (long long)(c0 + r) * rs + d : src, valid);
         }
     };
-    if (n_begin < n_end) {
-        load_kv(sK0, kg, k_sr, KP, n_begin * BN);
+    if (n_first < n_end) {
+        load_kv(sK0, kg, k_sr, KP, n_first * BN);
         aa_cp_commit();
-        load_kv(sV0, vg, v_sr, D, n_begin * BN);
+        load_kv(sV0, vg, v_sr, D, n_first * BN);
         aa_cp_commit();
     }
     for (int idx = tid; idx < BM * D; idx += NT) {
@@ -1008,14 +1150,15 @@ __global__ void __launch_bounds__(AaSimtCfg<T, D>::NT, AaSimtCfg<T, D>::MIN_BLOC
     if (DROPOUT) drop_pre = aa_drop_prefix(seed, b, h);
     const long long m_base = sq.tb * m_sb + h * m_sh;
 
-    for (int n = n_begin; n < n_end; ++n) {
+    for (int it = 0; n < n_end; ++it) {
+        const int n_next = FLEX ? aa_flex_next<BN>(flex, fcur, n, n_end) : n + 1;
         const int c0 = n * BN;
-        const int st = (n - n_begin) & 1;
+        const int st = (FLEX ? it : n - n_begin) & 1;
         const T* sK = sK0 + st * BN * KP;
         const T* sV = sV0 + st * BN * D;
         aa_cp_wait<1>();  // K[n] has landed (V[n] may still be in flight)
         __syncthreads();  // ... for every thread; Q^T stored; tile n-1 fully used
-        if (n + 1 < n_end) load_kv(sK0 + (st ^ 1) * BN * KP, kg, k_sr, KP, c0 + BN);
+        if (n_next < n_end) load_kv(sK0 + (st ^ 1) * BN * KP, kg, k_sr, KP, n_next * BN);
         aa_cp_commit();
 
         T s[RM][CN];
@@ -1037,6 +1180,17 @@ __global__ void __launch_bounds__(AaSimtCfg<T, D>::NT, AaSimtCfg<T, D>::MIN_BLOC
 
         const bool full = r0 + BM <= sq.q_len &&
                           aa_block_full(r0, r0 + BM, c0, c0 + BN, sq.offset, left, right, sq.kv_len);
+        // A partial mask block: the words of this thread's first row at key c0 and the
+        // bit of c0 in its word (BN = 16 tiles may start mid-word).
+        const aa_u32* fw = nullptr;
+        int fbit = 0, fwpr = 0;
+        if constexpr (FLEX) {
+            if (flex[fcur + 1] >= 0) {
+                fw = aa_flex_words<BN>(flex, fcur, r0, r0 + ty * RM, c0);
+                fbit = (c0 - flex[fcur] * flex[AA_FLEX_KVBLOCK]) & 31;
+                fwpr = flex[AA_FLEX_WPR];
+            }
+        }
 #pragma unroll
         for (int r = 0; r < RM; ++r) {
             const int i = r0 + ty * RM + r;
@@ -1044,8 +1198,14 @@ __global__ void __launch_bounds__(AaSimtCfg<T, D>::NT, AaSimtCfg<T, D>::MIN_BLOC
 #pragma unroll
             for (int c = 0; c < CN; ++c) {
                 const int j = c0 + tx + 16 * c;
-                const bool ok =
+                bool ok =
                     full || (i < sq.q_len && aa_allowed(i, j, sq.offset, left, right, sq.kv_len));
+                if constexpr (FLEX) {
+                    if (fw != nullptr) {
+                        const int cb = fbit + tx + 16 * c;
+                        ok = ok && ((fw[r * fwpr + (cb >> 5)] >> (cb & 31)) & 1u);
+                    }
+                }
                 T x = aa_neg_inf<T>();
                 if (ok) {
                     const long long m_off =
@@ -1083,7 +1243,7 @@ __global__ void __launch_bounds__(AaSimtCfg<T, D>::NT, AaSimtCfg<T, D>::MIN_BLOC
         }
         aa_cp_wait<1>();  // V[n] has landed (K[n+1] may still be in flight)
         __syncthreads();  // ... for every thread, and P^T is complete
-        if (n + 1 < n_end) load_kv(sV0 + (st ^ 1) * BN * D, vg, v_sr, D, c0 + BN);
+        if (n_next < n_end) load_kv(sV0 + (st ^ 1) * BN * D, vg, v_sr, D, n_next * BN);
         aa_cp_commit();
 
 #pragma unroll 4
@@ -1097,6 +1257,8 @@ __global__ void __launch_bounds__(AaSimtCfg<T, D>::NT, AaSimtCfg<T, D>::MIN_BLOC
 #pragma unroll
                 for (int c = 0; c < VC; ++c) acc[r][c] = fma(pv[r], vv[c], acc[r][c]);
         }
+        if constexpr (FLEX) aa_flex_advance<BN>(flex, fcur, n_next);
+        n = n_next;
     }
 
     aa_cp_wait<0>();

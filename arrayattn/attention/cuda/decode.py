@@ -382,6 +382,8 @@ def declines(spec: Any, has_mask: bool) -> str | None:
         return f"L={spec.L} query rows over S={spec.S} keys is not decode-shaped"
     if has_mask:
         return "a dense attn_mask runs on the prefill kernel"
+    if getattr(spec, "flex", False):
+        return "block masks / mask_mod / score_mod (arrayattn.flex) run on the prefill kernel"
     if spec.dropout_p > 0:
         return "dropout runs on the prefill kernel"
     kind = kernel_kind(spec)

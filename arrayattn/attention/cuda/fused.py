@@ -18,6 +18,18 @@ What runs in the kernel (``attn_fwd.cu``) and what does not:
 * ``sinks`` (folded into each row's denominator at the end of the online softmax) and
   ``alibi_slopes`` (``-slope * |i + offset - j|`` computed per element from indices: no
   ``L x S`` bias), read as contiguous ``(batch * Hq,)`` arrays in the accumulation dtype.
+* Block masks (``arrayattn.flex``: ``block_mask=``, or a built-in ``mask_mod`` for which
+  ``make_spec`` builds one): the kernels read a compact table built once per
+  ``BlockMask`` and device (``flex_table.py``; cached on the block mask, so pass the same
+  one to every call and layer): per (batch, head, query block) the non-empty key blocks,
+  full or partial, and the bits of the partial blocks from one evaluation of the
+  mask_mod on them. Empty blocks are skipped, partial ones set excluded scores to -inf
+  (ANDed with causal, windows, lengths and a dense mask). Declined (the array-API chunked
+  path runs them): ``score_mod``, a plain mask_mod function without a block mask, block
+  sizes the kernel's tiles do not divide (``Q_BLOCK % BM``, ``KV_BLOCK % BN``; the
+  default 128 fits every kernel), non-CuPy arrays, blocks of a larger call. The decode
+  kernels decline them; the backward of such a call is the array-API backward on the
+  kernel's LSE (the backward kernels do not read block masks).
 * Fallback rule (``declines``): the kernel declines non-CuPy arrays, other dtypes, head
   dims above 256, 16-bit dtypes on devices older than sm_80, and batch or head counts
   above 65535 (grid limits). ``implementation="auto"`` then moves on to the next path;
@@ -44,11 +56,13 @@ from .. import chunked, composed
 from ..composed import AUTO_CHUNK_BYTES
 from ..dropout import dropout_threshold
 from ..spec import AttentionSpec
-from . import _bridge, _loader, decode
+from . import _bridge, _loader, decode, flex_table
 from . import backward as kernels_backward
 from .operands import (
     KINDS,
     compute_capability,
+    device_index,
+    is_block,
     kernel_diagonal,
     kernel_kind,
     lengths_operand,
@@ -56,7 +70,7 @@ from .operands import (
     operand,
     per_head_operand,
 )
-from .tiles import forward_launch, head_dim_bucket
+from .tiles import ForwardLaunch, forward_launch, head_dim_bucket
 
 __all__ = ["FusedAttention", "FUSED", "declines", "auto_declines"]
 
@@ -85,8 +99,10 @@ def declines(spec: AttentionSpec) -> str | None:
         reason = _bridge.declines(spec)
         if reason is not None:
             return reason
-    if spec.flex:  # (the array-API chunked path runs them on CuPy)
-        return "mask_mod/score_mod (arrayattn.flex) are not in the CUDA kernels yet"
+    if spec.flex:  # (the array-API chunked path runs what the kernels decline)
+        reason = _flex_declines(spec)
+        if reason is not None:
+            return reason
     kind = kernel_kind(spec)
     if kind is None:
         return f"no fused kernel for dtype {spec.dtype}; expected one of {KINDS}"
@@ -110,7 +126,50 @@ def declines(spec: AttentionSpec) -> str | None:
                 f"{kind} kernels need compute capability >= 8.0 (mma.sync bf16/f16, "
                 f"cp.async, ldmatrix); this device has {cc / 10:.1f}"
             )
+    if spec.block_mask is not None:
+        launch = _launch(spec, kind, head_dim_bucket(spec.E, spec.Ev) or 0, spec.mask_kind)
+        reason = flex_table.tiles_fit(spec.block_mask, launch.config.block_m, launch.config.block_n)
+        if reason is not None:
+            return f"block mask: {reason}"
     return None
+
+
+def _flex_declines(spec: AttentionSpec) -> str | None:
+    """Why the kernels do not run this ``arrayattn.flex`` call, or ``None``: they run a
+    block mask (its mask_mod through the block table and the partial blocks' bits, see
+    ``flex_table.py``), not a score_mod, not a mask_mod without a block mask (a plain
+    function: built-ins get one from ``make_spec``), and only on CuPy arrays of a whole
+    call."""
+    if spec.score_mod is not None:
+        return "score_mod is not in the CUDA kernels (the array-API paths run it)"
+    if spec.block_mask is None:
+        return (
+            "a mask_mod function without a block mask: the kernels read a BlockMask's block "
+            "table; pass block_mask=arrayattn.flex.create_block_mask(mask_mod, B, H, L, S, "
+            "xp=cupy) (built once, reused across calls)"
+        )
+    if not is_cupy(spec.xp):
+        return f"block masks reach the kernels from CuPy arrays only, not {library_name(spec.xp)}"
+    if is_block(spec):
+        return "a block mask in a block of a larger call (the Dask path's tasks)"
+    return None
+
+
+def _launch(spec: AttentionSpec, kind: str, d: int, mask_kind: Any) -> ForwardLaunch:
+    """The forward kernel for the call (``tiles.forward_launch``); with a block mask whose
+    block size v2's 128 x 64 tiles do not divide, v1's (when those do)."""
+    dense = 0 if mask_kind is None else (1 if mask_kind == "bool" else 2)
+    mk = dense | (flex_table.MASK_FLEX if spec.block_mask is not None else 0)
+    args = (kind, d, spec.softcap is not None, spec.dropout_p > 0.0, mk,
+            spec.alibi_slopes is not None, spec.scale)  # fmt: skip
+    launch = forward_launch(*args)
+    if (
+        spec.block_mask is not None
+        and launch.variant == "v2"
+        and flex_table.tiles_fit(spec.block_mask, launch.config.block_m, launch.config.block_n)
+    ):
+        launch = forward_launch(*args, variant="v1")
+    return launch
 
 
 # -- the implementation ---------------------------------------------------------------------
@@ -163,19 +222,19 @@ class FusedAttention:
                 lse = cupy.ascontiguousarray(lse).reshape(spec.lse_shape)
             return out, lse
 
-        if decode.declines(spec, attn_mask is not None) is None:
+        if decode.declines(spec, attn_mask is not None) is None:  # (declines block masks)
             return decode.forward(spec, query, key, value, poison=POISON_OUTPUTS)
 
-        softcap = spec.softcap is not None
         dropout = spec.dropout_p > 0.0
-        mask_kind = 0 if attn_mask is None else (1 if spec.mask_kind == "bool" else 2)
         tc = kind in ("float16", "bfloat16")
-        # ARRAYATTN_FWD_VARIANT (tiles.forward_variant): v1 unless v2 is asked for and
-        # serves the call (tiles.v2_declines lists what stays on v1).
-        launch = forward_launch(
-            kind, d, softcap, dropout, mask_kind, spec.alibi_slopes is not None, spec.scale
-        )
+        # ARRAYATTN_FWD_VARIANT (tiles.forward_variant): v2 unless v1 is asked for or v2
+        # declines the call (tiles.v2_declines lists what stays on v1).
+        launch = _launch(spec, kind, d, None if attn_mask is None else spec.mask_kind)
         cfg = launch.config
+        # A block mask: its table on this device (built once, cached on the BlockMask).
+        flex: Any = np.uint64(0)
+        if spec.block_mask is not None:
+            flex = flex_table.table(spec.block_mask, spec.xp, device_index(spec), spec.device)
         q, q_sb, q_sh, q_sr = operand(spec, query, d, tc)
         k, k_sb, k_sh, k_sr = operand(spec, key, d, tc)
         v, v_sb, v_sh, v_sr = operand(spec, value, d, tc)
@@ -221,6 +280,7 @@ class FusedAttention:
             acc(1.0 / (1.0 - spec.dropout_p)),
             null if sinks is None else sinks,
             null if alibi is None else alibi,
+            flex,
         )  # fmt: skip
         grid = ((L + cfg.block_m - 1) // cfg.block_m, Hq, B)
         kernel(grid, (cfg.threads,), args, shared_mem=cfg.smem_bytes)
@@ -246,6 +306,10 @@ class FusedAttention:
         array-API backward on the saved LSE (chunked for large score matrices); PyTorch and
         JAX GPU arrays through the DLPack bridge (``_bridge.py``)."""
         args = (spec, query, key, value, attn_mask, out, lse, d_out, d_lse)
+        if spec.flex:  # the backward kernels do not read block masks: array-API backward
+            if chunked.score_matrix_bytes(spec) > AUTO_CHUNK_BYTES:
+                return chunked.backward(*args)
+            return composed.backward(*args)
         if not is_cupy(spec.xp):
             if _bridge.bridge_for(spec, query, key, value) is not None:  # PyTorch / JAX GPU
                 return _bridge.backward(*args)

@@ -179,7 +179,8 @@ def forward_kernel_name(
 ) -> str:
     """The template instantiation (a ``cupy.RawModule`` name expression) of the forward
     kernel for dtype ``kind``, head dim ``d``, and the feature flags; ``mask_kind`` is 0
-    (none), 1 (bool) or 2 (float bias); ``mt`` as in :func:`tile_config`.
+    (none), 1 (bool) or 2 (float bias), plus 4 with a block mask (``arrayattn.flex``;
+    ``flex_table.MASK_FLEX``); ``mt`` as in :func:`tile_config`.
 
     Examples:
         >>> forward_kernel_name("float16", 128, False, False, 0, mt=2)
@@ -253,16 +254,17 @@ def v2_declines(
     float32/float64 (CUDA-core kernels), head dims other than :data:`V2_HEAD_DIMS`,
     dropout (the hash per element does not fit the register budget of 32 rows x 64 keys
     per warp), softcap / dense masks / ALiBi above D = 64 (:data:`V2_FEATURE_HEAD_DIMS`;
-    they spill), and a scale that is not positive (v2 takes the row max on raw scores and
-    scales it once, which needs ``scale > 0``). Sinks, causal (both alignments), windows,
-    lengths and GQA run on v2 at every v2 head dim."""
+    they spill), and a scale that is not positive (v2 takes the row
+    max on raw scores and scales it once, which needs ``scale > 0``). Sinks, causal
+    (both alignments), windows, lengths, GQA and block masks (``mask_kind`` 4,
+    ``arrayattn.flex``) run on v2 at every v2 head dim."""
     if kind not in ("float16", "bfloat16"):
         return f"v2 is a tensor-core kernel (float16/bfloat16), not {kind}"
     if d not in V2_HEAD_DIMS:
         return f"v2 is instantiated for head dims {V2_HEAD_DIMS}, not {d}"
     if dropout:
         return "v2 has no dropout (register budget); v1 runs it"
-    if (softcap or mask_kind or alibi) and d not in V2_FEATURE_HEAD_DIMS:
+    if (softcap or mask_kind & 3 or alibi) and d not in V2_FEATURE_HEAD_DIMS:
         return f"v2 runs softcap, dense masks and ALiBi at D in {V2_FEATURE_HEAD_DIMS} only"
     if not scale >= 1e-30:  # > 0, and scale * log2(e) a normal float32 (NaN fails too)
         return f"v2 needs scale > 0 (row max on raw scores), got {scale}"
@@ -349,7 +351,7 @@ def row_keys(
 def _v2_variants() -> list[str]:
     """The v2 instantiations compiled by CI and loaded by ``bench/gpu_variants.py``: both
     16-bit kinds at every v2 head dim without features, and the feature flags (softcap,
-    bool and float masks, ALiBi) at D = 64 in float16, plus one bfloat16 mix."""
+    bool and float masks, ALiBi, block masks) at D = 64 in float16, plus bfloat16 mixes."""
     out = [
         forward_kernel_name_v2(kind, d, False, 0, False)
         for kind in ("float16", "bfloat16")
@@ -362,7 +364,15 @@ def _v2_variants() -> list[str]:
             forward_kernel_name_v2("float16", d, False, 2, False),
             forward_kernel_name_v2("float16", d, False, 0, True),
             forward_kernel_name_v2("bfloat16", d, True, 1, True),
+            # a block mask (arrayattn.flex) with a bool mask and every feature
+            forward_kernel_name_v2("bfloat16", d, True, 5, True),
         ]
+    # block masks (arrayattn.flex; MASK 4) at every v2 head dim
+    out += [
+        forward_kernel_name_v2(kind, d, False, 4, False)
+        for kind in ("float16", "bfloat16")
+        for d in V2_HEAD_DIMS
+    ]
     return out
 
 

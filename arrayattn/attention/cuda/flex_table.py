@@ -1,0 +1,137 @@
+"""Block masks (``arrayattn.flex``) as the forward kernels read them: one int32 table per
+:class:`~arrayattn.attention.block_mask.BlockMask` and device, built once and cached on
+the block mask (reused across calls and layers).
+
+Layout (``attn_fwd.cu``, "Block masks"; ``AA_FLEX_*``): a header of
+:data:`HEADER` int32 values, then
+
+* ``counts``: per (batch, head, query mask block) the number of non-empty key mask
+  blocks (``(B or 1, H or 1, nq)``);
+* ``lists``: per (batch, head, query mask block) those key blocks in ascending order as
+  ``(key block, partial id)`` pairs, partial id ``-1`` for a full block, ended by the pair
+  ``(nk, -1)`` (``(B or 1, H or 1, nq, nk + 1, 2)``; entries past the end are unused; the
+  kernels walk a list with one pointer and stop at the end pair, whose first tile lies
+  at or past every key range);
+* ``bits``: the elementwise mask of every partial block, ``(P, Q_BLOCK, wpr)`` 32-bit
+  words (bit ``c`` of a row's words is key ``c`` of the block; 1 = takes part), from
+  one evaluation of the mask_mod on the partial blocks only (index arrays in the block
+  mask's library, ``(n, Q_BLOCK, KV_BLOCK)`` at a time, global positions; pairs past
+  ``L``/``S`` are 0 and never read as allowed: the kernels' key length test excludes
+  them).
+
+A size-1 batch or head axis of ``kinds`` (``B=None``/``H=None``) is one table for every
+batch/head (stride 0 in the header). Nothing here depends on the kernels' tile sizes;
+the kernels need ``Q_BLOCK % BM == 0`` and ``KV_BLOCK % BN == 0`` (:func:`tiles_fit`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..block_mask import EMPTY, PARTIAL, BlockMask, mod_allowed
+
+__all__ = ["HEADER", "MASK_FLEX", "tiles_fit", "host_layout", "build", "table"]
+
+HEADER = 16
+"""int32 values before the counts (``AA_FLEX_HEADER``)."""
+
+MASK_FLEX = 4
+"""The kernels' ``MASK`` bit for a block mask (``AA_MASK_FLEX``), ORed with the dense mask
+kind (0 none, 1 bool, 2 float)."""
+
+_EVAL_PAIRS = 1 << 24
+"""Pairs the mask_mod is evaluated on at once (about 16 MiB of booleans)."""
+
+
+def tiles_fit(bm: BlockMask, block_m: int, block_n: int) -> str | None:
+    """``None`` when a kernel with ``block_m`` x ``block_n`` tiles can read ``bm`` (each
+    query tile inside one query mask block, each key tile inside one key mask block),
+    else why not."""
+    if bm.Q_BLOCK % block_m or bm.KV_BLOCK % block_n:
+        return (
+            f"the block mask's block size ({bm.Q_BLOCK}, {bm.KV_BLOCK}) is not a multiple of "
+            f"the kernel's {block_m} x {block_n} tiles (Q_BLOCK % {block_m} == 0 and "
+            f"KV_BLOCK % {block_n} == 0 are needed; the default 128 fits every kernel)"
+        )
+    return None
+
+
+def host_layout(kinds: np.ndarray, q_block: int, kv_block: int) -> tuple[np.ndarray, np.ndarray]:
+    """The table without its bits: ``(head_counts_lists, partial)`` where the first is the
+    int32 header + counts + lists and ``partial`` the ``(P, 4)`` int64 ``(b, h, qi, ki)``
+    of the partial blocks in partial-id order."""
+    kinds = np.asarray(kinds)
+    Bt, Ht, nq, nk = kinds.shape
+    wpr = -(-kv_block // 32)
+    nonempty = kinds != EMPTY
+    is_partial = kinds == PARTIAL
+    pid = np.where(is_partial, np.cumsum(is_partial.reshape(-1)).reshape(kinds.shape) - 1, -1)
+    counts = nonempty.sum(axis=-1).astype(np.int32)
+    order = np.argsort(~nonempty, axis=-1, kind="stable").astype(np.int32)
+    lists = np.empty((Bt, Ht, nq, nk + 1, 2), np.int32)
+    lists[..., :nk, 0] = order
+    lists[..., :nk, 1] = np.take_along_axis(pid, order, axis=-1)
+    end = counts[..., None].astype(np.int64)  # the end pair right after the listed blocks
+    np.put_along_axis(lists[..., 0], end, nk, axis=-1)
+    np.put_along_axis(lists[..., 1], end, -1, axis=-1)
+    off_cnt = HEADER
+    off_list = off_cnt + counts.size
+    off_bits = off_list + lists.size
+    if off_bits + int(is_partial.sum()) * q_block * wpr >= 2**31:
+        raise ValueError("block mask table exceeds 2**31 int32 words")
+    header = np.zeros(HEADER, np.int32)
+    header[:10] = (
+        nq, nk, Ht if Bt > 1 else 0, 1 if Ht > 1 else 0, q_block, kv_block, wpr,
+        off_cnt, off_list, off_bits,
+    )  # fmt: skip
+    host = np.concatenate([header, counts.reshape(-1), lists.reshape(-1)]).astype(np.int32)
+    partial = np.argwhere(is_partial).astype(np.int64)
+    return host, partial
+
+
+def build(bm: BlockMask, xp: Any, device: Any = None) -> Any:
+    """The whole table as one int32 array of ``xp`` (CuPy on a GPU): the host part of
+    :func:`host_layout` and the partial blocks' bits, the mask_mod evaluated on index
+    arrays of ``xp`` over the partial blocks only."""
+    _, _, L, S = bm.shape
+    qb, kb = bm.Q_BLOCK, bm.KV_BLOCK
+    wpr = -(-kb // 32)
+    host, partial = host_layout(bm.kinds, qb, kb)
+    kw = {} if device is None else {"device": device}
+    parts = [xp.asarray(host, **kw)]
+    chunk = max(1, _EVAL_PAIRS // (qb * wpr * 32))
+    weights = xp.asarray((np.uint32(1) << np.arange(32, dtype=np.uint32)), **kw)
+    r = xp.reshape(xp.arange(qb, dtype=xp.int32, **kw), (1, qb, 1))
+    c = xp.reshape(xp.arange(kb, dtype=xp.int32, **kw), (1, 1, kb))
+    for p0 in range(0, partial.shape[0], chunk):
+        blk = partial[p0 : p0 + chunk]
+        n = blk.shape[0]
+        b = xp.reshape(xp.asarray(blk[:, 0].astype(np.int32), **kw), (n, 1, 1))
+        h = xp.reshape(xp.asarray(blk[:, 1].astype(np.int32), **kw), (n, 1, 1))
+        rows = xp.reshape(xp.asarray((blk[:, 2] * qb).astype(np.int32), **kw), (n, 1, 1)) + r
+        cols = xp.reshape(xp.asarray((blk[:, 3] * kb).astype(np.int32), **kw), (n, 1, 1)) + c
+        valid = xp.logical_and(rows < L, cols < S)
+        # Pairs past L or S are clamped for the mask_mod (per-token ids stay in range) and
+        # cleared after it.
+        ok = mod_allowed(bm.mask_mod, b, h, xp.minimum(rows, L - 1), xp.minimum(cols, S - 1))
+        ok = xp.logical_and(xp.broadcast_to(ok, valid.shape), valid)
+        if wpr * 32 != kb:
+            pad = xp.zeros((n, qb, wpr * 32 - kb), dtype=xp.bool, **kw)
+            ok = xp.concatenate([ok, pad], axis=-1)
+        bits = xp.reshape(xp.astype(ok, xp.uint32), (n, qb, wpr, 32))
+        words = xp.sum(bits * weights, axis=-1, dtype=xp.uint32)  # distinct powers: OR
+        parts.append(xp.reshape(words, (-1,)).view(xp.int32))
+    return xp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def table(bm: BlockMask, xp: Any, device_key: Any, device: Any = None) -> Any:
+    """:func:`build`'s table for ``bm`` on one device, cached on the block mask."""
+    cache = bm._tables
+    key = ("cuda_flex_table", str(device_key))
+    got = cache.get(key)
+    if got is None:
+        got = build(bm, xp, device)
+        cache[key] = got
+    return got
