@@ -56,6 +56,8 @@ def cases(small: bool) -> Iterator[tuple[str, dict[str, Any]]]:
                                    "causal_align": "bottom_right"}  # fmt: skip
         yield f"{dtype} softcap dropout", {**base, "softcap": 20.0, "dropout_p": 0.25, "seed": 7}
         yield f"{dtype} sinks alibi", {**base, "sinks": True, "alibi": True, "is_causal": True}
+        # arrayattn.flex: a block mask (the kernels' block table and partial-block bits)
+        yield f"{dtype} block mask", {**base, "doc_mask": True, "is_causal": True}
         # L <= 16 over S >= 128: the split-KV decode kernels (an empty sequence included)
         yield f"{dtype} decode gqa lengths", {**base, "Hq": 8, "Hkv": 2, "L": 1, "S": 300,
                                               "enable_gqa": True, "is_causal": True,
@@ -88,6 +90,15 @@ def _call(xp: Any, implementation: str, opts: dict[str, Any], arrays: dict[str, 
         kwargs["sinks"] = put(arrays["sinks"], xp.float32)
     if opts.get("alibi"):
         kwargs["alibi_slopes"] = put(arrays["alibi"], xp.float32)
+    if opts.get("doc_mask"):  # three documents over the queries and over the keys
+        from arrayattn import flex
+
+        L, S = arrays["q"].shape[-2], arrays["k"].shape[-2]
+        ids_q = xp.asarray(np.arange(L) * 3 // max(L, 1), dtype=xp.int32)
+        ids_k = xp.asarray(np.arange(S) * 3 // max(S, 1), dtype=xp.int32)
+        kwargs["block_mask"] = flex.create_block_mask(
+            flex.document_mask(ids_q, ids_k), arrays["q"].shape[0], None, L, S, xp=xp
+        )
     (out, lse), pullback = aa.vjp(
         aa.scaled_dot_product_attention, q, k, v, return_lse=True,
         implementation=implementation, **kwargs,
