@@ -344,8 +344,11 @@ struct AaBwdSimtSmem {
 };
 
 // dK, dV (and dQ by atomics unless dq_acc is null) for one key block.
+// (FLEX: one block per SM as the launch bound's minimum: the list walk's state made the
+// float32 D = 64 kernel spill under the 128 registers of two 256-thread blocks.)
 template <typename T, typename Acc, int HD, int BN, int BM, int NT, bool FLEX = false>
-__global__ void __launch_bounds__(NT, AaMinBlocks<AaBwdSimtSmem<Acc, HD, BN, BM>::value, NT>::value)
+__global__ void __launch_bounds__(
+    NT, FLEX ? 1 : AaMinBlocks<AaBwdSimtSmem<Acc, HD, BN, BM>::value, NT>::value)
 aa_bwd_dkdv_simt(AA_BWD_ARGS(typename AaIO<T>::type, Acc), typename AaIO<T>::type* __restrict__ dk,
                  typename AaIO<T>::type* __restrict__ dv,
                  Acc* __restrict__ dq_acc) {
