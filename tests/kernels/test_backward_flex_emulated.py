@@ -289,6 +289,57 @@ def test_declines_and_fused_routing(monkeypatch) -> None:
     assert calls == ["kernel", "api", "api"]
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_backward_hook_end_to_end(library, monkeypatch, dtype) -> None:
+    """``backward.backward`` itself (the hook FusedAttention.backward calls) on NumPy arrays
+    standing in for CuPy's, kernels on the emulator: the opt-in, the FLEX plan, the table
+    built and cached on the block mask, a dense bool attn_mask ANDed; vs NumPy float64."""
+    import types
+
+    from arrayattn import scaled_dot_product_attention, vjp
+    from arrayattn.attention.spec import make_spec
+
+    fake = types.ModuleType("cupy")
+    for name in ("zeros", "zeros_like", "empty", "broadcast_to", "ascontiguousarray",
+                 "asarray", "float32", "float64", "uint8", "bool_", "int32"):  # fmt: skip
+        setattr(fake, name, getattr(np, name))
+    fake.ndarray = type("ndarray", (), {})  # (no NumPy array is one: NumPy paths serve them)
+    fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(kb, "is_cupy", lambda xp: True)
+    monkeypatch.setattr(kb, "compute_capability", lambda spec: 90)
+    launch = emu.Launcher(library)
+    monkeypatch.setattr(kb, "_cupy_launch", launch)
+    monkeypatch.setenv(kb.FLEX_ENV, "1")
+    B, Hq, Hkv, L, S = 2, 2, 1, 128, 256
+    d = 64 if dtype == np.float16 else 32
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal(sh).astype(dtype) for sh in
+               ((B, Hq, L, d), (B, Hkv, S, d), (B, Hkv, S, d)))  # fmt: skip
+    g = rng.standard_normal((B, Hq, L, d)).astype(dtype)
+    mask = rng.random((L, S)) < 0.8
+    bm = _prefix_lm(B, L, S, (64, 128))
+    x64 = [a.astype(np.float64) for a in (q, k, v)]
+    out, pb = vjp(scaled_dot_product_attention, *x64, mask, enable_gqa=True, block_mask=bm,
+                  implementation="composed")  # fmt: skip
+    want = pb(g.astype(np.float64))[:3]
+    lse = scaled_dot_product_attention(
+        *x64, mask, enable_gqa=True, block_mask=bm, implementation="composed", return_lse=True
+    )[1]
+    spec = make_spec(q, k, v, mask, 0.0, False, None, True, "top_left", None, None, None,
+                     block_mask=bm)  # fmt: skip
+    assert kb.declines(spec) is None, kb.declines(spec)
+    acc = np.float32
+    got = kb.backward(spec, q, k, v, mask, out.astype(dtype), lse.astype(acc), g, None)
+    names = [n for n, *_ in launch.launches]
+    assert any(n.startswith("aa_bwd_dkdv_") and n.endswith(", true>") for n in names), names
+    assert len(bm._tables) == 1
+    tol = 2e-2 if dtype == np.float16 else 2e-5
+    for name, a, r in zip(("dq", "dk", "dv"), got[:3], want, strict=True):
+        err = float(np.linalg.norm(a.astype(np.float64) - r) / np.linalg.norm(r))
+        assert err <= tol, (name, err)
+
+
 # -- ThreadSanitizer: the v2 FLEX kernels' list walk and prefetch ----------------------------
 def _tsan_case(lib: Path) -> int:
     """The child's work: the v2 GQA window case (a head skipped by the prefetch), atomic

@@ -782,11 +782,8 @@ def backward(
     kind = kernel_kind(spec)
     assert kind is not None  # declines() refuses a dtype without kernels
     plan = backward_plan(kind, spec.E, spec.Ev, bwd_variant())
-    flex = None
     if spec.flex:  # declines() checked the block mask, the plan and its tiles
         plan = flex_plan(kind, spec.E, spec.Ev)
-        assert spec.block_mask is not None
-        flex = flex_table.table(spec.block_mask, spec.xp, device_index(spec), spec.device)
     assert plan is not None  # declines() refuses head dims no variant holds
     B, Hq, Hkv, L, S, E, Ev = (spec.batch_size, spec.Hq, spec.Hkv, spec.L, spec.S, spec.E, spec.Ev)
     if B == 0 or Hq == 0 or L == 0 or S == 0 or E == 0 and Ev == 0:
@@ -795,6 +792,10 @@ def backward(
         ]
         return zeros[0], zeros[1], zeros[2], None
 
+    flex = None
+    if spec.flex:  # the block table on this device (built once, cached on the BlockMask)
+        assert spec.block_mask is not None
+        flex = flex_table.table(spec.block_mask, spec.xp, device_index(spec), spec.device)
     q = _full(spec, query, spec.q_shape, Hq, (L, E))
     k = _full(spec, key, spec.k_shape, Hkv, (S, E))
     v = _full(spec, value, spec.v_shape, Hkv, (S, Ev))
