@@ -229,7 +229,7 @@ _BWD_RUNS = [
     ("window_global", "float16", True),
     ("window_global", "float32", True),
 ]
-_GRAD_TOL = {"float16": 1.2e-2, "float32": 4e-5}
+_GRAD_TOL = {"float16": 2e-2, "float32": 4e-5}  # (the emulated tests' bounds)
 
 
 @pytest.mark.parametrize("case,dtype,deterministic", _BWD_RUNS)
