@@ -118,7 +118,9 @@ class Report:
 
 
 def _norm(name: str) -> str:
-    return re.sub(r"\s+", "", name)
+    # (a trailing defaulted ``bool`` template argument, e.g. the backward kernels' FLEX,
+    # is spelled out in ptxas' demangled names but not in the name expressions)
+    return re.sub(r",false>$", ">", re.sub(r"\s+", "", name))
 
 
 def _demangle(names: list[str]) -> list[str]:

@@ -70,11 +70,14 @@ def _backward_variants() -> list[Variant]:
     for kind in ("float16", "bfloat16", "float32", "float64"):
         for d in (32, 64, 96, 128, 256):
             for variant in getattr(backward, "VARIANTS", ("v1",)):  # ARRAYATTN_BWD_VARIANT
-                plan = backward.backward_plan(kind, d, d, variant=variant)
-                if plan is None:
-                    continue
-                launch.setdefault(plan.dkdv, (plan.dkdv_threads, plan.dkdv_smem))
-                launch.setdefault(plan.dq, (plan.dq_threads, plan.dq_smem))
+                plans = [backward.backward_plan(kind, d, d, variant=variant)]
+                if hasattr(backward, "flex_plan"):  # the block-mask (FLEX) instantiations
+                    plans.append(backward.flex_plan(kind, d, d, variant=variant))
+                for plan in plans:
+                    if plan is None:
+                        continue
+                    launch.setdefault(plan.dkdv, (plan.dkdv_threads, plan.dkdv_smem))
+                    launch.setdefault(plan.dq, (plan.dq_threads, plan.dq_smem))
     out = []
     for source, names in backward.COMPILE_VARIANTS.items():
         for name in names:

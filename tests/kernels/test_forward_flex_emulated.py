@@ -249,7 +249,7 @@ def test_table_layout_and_bits() -> None:
     Bt, Ht = bm.kinds.shape[:2]
     assert (nq, nk, qb, kb, wpr) == (4, 4, 64, 48, 2) and (tsb, tsh) == (Ht, 0)
     counts = t[oc:ol].reshape(Bt, Ht, nq)
-    lists = t[ol:ob].reshape(Bt, Ht, nq, nk + 1, 2)
+    lists = t[ol : t[10]].reshape(Bt, Ht, nq, nk + 1, 2)  # (transposed lists after)
     words = t[ob:].view(np.uint32).reshape(-1, qb, wpr)
     dense = _dense(bm, 2, 1, L, S)
     seen = 0

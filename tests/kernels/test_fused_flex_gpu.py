@@ -3,8 +3,10 @@ kernels' block table and partial-block bits (``cuda/flex_table.py``) against the
 composed path in float64, on v1 (``aa_fwd_tc``, ``aa_fwd_simt``) and v2 (``aa_fwd_tc2``);
 that ``"auto"`` takes the fused path and which kernel ran (a spy on the loader); ``vjp``
 (fused forward, array-API backward from the kernel's LSE) against NumPy; and a timing
-print of block mask vs dense mask on a packed 8-document batch (not asserted). Skips
-cleanly without CuPy or without a CUDA device.
+print of block mask vs dense mask on a packed 8-document batch (not asserted); and the
+backward kernels' block-mask instantiations (opt-in ``ARRAYATTN_FLEX_BWD_KERNELS=1``:
+v2 and the CUDA-core kernels, both dQ modes; a spy checks they ran) against NumPy float64.
+Skips cleanly without CuPy or without a CUDA device.
 
     python -m pytest tests/kernels/test_fused_flex_gpu.py -q -s
 """
@@ -182,6 +184,7 @@ def test_auto_takes_the_fused_path(launched) -> None:
 def test_vjp_fused_forward_array_api_backward(dtype, launched, monkeypatch) -> None:
     """vjp with a block mask: the fused forward kernel (spy), the array-API backward from
     its LSE (the backward kernels are never called), gradients against NumPy float64."""
+    monkeypatch.delenv(kernels_backward.FLEX_ENV, raising=False)  # the default: not opted in
     bwd_calls: list[int] = []
     real_bwd = kernels_backward.backward
     monkeypatch.setattr(
@@ -215,6 +218,67 @@ def test_vjp_fused_forward_array_api_backward(dtype, launched, monkeypatch) -> N
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         err = _rel(cp.asnumpy(a.astype(cp.float64)), b)
         assert err <= (tol if name == "out" else 4 * tol), (name, err)
+
+
+# (case, dtype, deterministic): v2 (float16 at D = 64) and the CUDA-core kernels (float32),
+# the atomic and the deterministic dQ.
+_BWD_RUNS = [
+    ("document", "float16", False),
+    ("document", "float16", True),
+    ("prefix_lm", "float32", False),
+    ("window_global", "float16", True),
+    ("window_global", "float32", True),
+]
+_GRAD_TOL = {"float16": 2e-2, "float32": 4e-5}  # (the emulated tests' bounds)
+
+
+@pytest.mark.parametrize("case,dtype,deterministic", _BWD_RUNS)
+def test_backward_kernels_with_block_masks(case, dtype, deterministic, launched,
+                                           monkeypatch) -> None:  # fmt: skip
+    """ARRAYATTN_FLEX_BWD_KERNELS=1: vjp with a block mask runs the backward kernels' FLEX
+    instantiations (spy: the dK/dV kernel, and the dQ kernel in deterministic mode, with
+    the last template argument ``true``); out, dq, dk, dv against NumPy float64 (the
+    composed path on the same rounded inputs)."""
+    monkeypatch.setenv(kernels_backward.FLEX_ENV, "1")
+    B, Hq, Hkv, L, S, extra = _CASES[case]
+    E = 64
+    rng = np.random.default_rng(abs(hash((case, dtype))) % 2**32)
+    npdt = getattr(np, dtype)
+    q, k, v = (
+        rng.standard_normal(shape).astype(npdt).astype(np.float64)
+        for shape in ((B, Hq, L, E), (B, Hkv, S, E), (B, Hkv, S, E))
+    )
+    g = rng.standard_normal((B, Hq, L, E))
+    opts: dict = dict(enable_gqa=Hq != Hkv)
+    if extra.get("bool_mask"):
+        opts["attn_mask"] = rng.random((L, S)) < 0.9
+    if extra.get("sinks"):
+        opts["sinks"] = rng.standard_normal(Hq)
+    for name in ("q_lengths", "kv_lengths"):
+        if name in extra:
+            opts[name] = np.asarray(extra[name], dtype=np.int32)
+
+    def run(xp, dt, conv):
+        bm = flex.create_block_mask(_mask_mod(case, xp, 7, B, L), B, None, L, S, xp=xp)
+        kw = {n: conv(a) if isinstance(a, np.ndarray) else a for n, a in opts.items()}
+        arrs = [conv(x).astype(dt) for x in (q, k, v)]
+        out, pb = aa.vjp(aa.scaled_dot_product_attention, *arrs, block_mask=bm, **kw)
+        return (out, *pb(conv(g).astype(dt))[:3])
+
+    want = run(np, np.float64, lambda x: x)
+    with kernels_backward.deterministic(deterministic):
+        got = run(cp, getattr(cp, dtype), cp.asarray)
+    dkdv = [n for n in launched if n.startswith("aa_bwd_dkdv_")]
+    dq = [n for n in launched if n.startswith("aa_bwd_dq_")]
+    assert dkdv and all(n.endswith(", true>") for n in dkdv), launched
+    assert bool(dq) == deterministic and all(n.endswith(", true>") for n in dq), launched
+    family = "mma2<" if dtype == "float16" else "simt<"
+    assert all(family in n for n in dkdv + dq), launched
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        a_np = cp.asnumpy(a.astype(cp.float64))
+        assert np.isfinite(a_np).all(), name
+        err = _rel(a_np, b)
+        assert err <= (_TOL[dtype] if name == "out" else _GRAD_TOL[dtype]), (name, err)
 
 
 def test_timing_block_mask_vs_dense_mask_packed_documents() -> None:

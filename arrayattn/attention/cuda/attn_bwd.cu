@@ -99,6 +99,83 @@ AA_BWD_DEV bool aa_bwd_mask_ok(const unsigned char* mask, long long m_base, long
            mask[m_base + (long long)i * m_sr + (long long)j * m_sc] != 0;
 }
 
+// ---------------------------------------------------------------------------------------
+// Block masks (arrayattn.flex; host side cuda/flex_table.py, layout as attn_fwd.cu's "Block
+// masks"): instantiations with FLEX = true read the `flex` table (null otherwise). The dQ
+// kernels walk, per (batch, head, query mask block), the forward's list of non-empty key
+// blocks; the dK/dV kernels walk, per (batch, head, key mask block), the transposed list
+// of non-empty query blocks ((query block, partial id) pairs ended by (nq, -1), at
+// header[AA_BF_TLIST]). Both name a partial block by the same id, so both read the same
+// bits. A list is walked with one int32 offset `cur` at the pair of the current tile's
+// block; the host checks that the kernels' tiles lie inside one mask block.
+// ---------------------------------------------------------------------------------------
+enum {
+    AA_BF_NQ = 0, AA_BF_NK = 1, AA_BF_TSB = 2, AA_BF_TSH = 3, AA_BF_QB = 4, AA_BF_KB = 5,
+    AA_BF_WPR = 6, AA_BF_LIST = 8, AA_BF_BITS = 9, AA_BF_TLIST = 11
+};
+
+// The list of query mask block r0 / Q_BLOCK of (b, h): its non-empty key blocks.
+AA_BWD_DEV int aa_bflex_qrow(const int* flex, int b, int h, int r0) {
+    const long long t = (long long)b * flex[AA_BF_TSB] + (long long)h * flex[AA_BF_TSH];
+    return (int)(flex[AA_BF_LIST] +
+                 (t * flex[AA_BF_NQ] + r0 / flex[AA_BF_QB]) * 2 * (flex[AA_BF_NK] + 1));
+}
+// The transposed list of key mask block c0 / KV_BLOCK of (b, h): its non-empty query blocks.
+AA_BWD_DEV int aa_bflex_krow(const int* flex, int b, int h, int c0) {
+    const long long t = (long long)b * flex[AA_BF_TSB] + (long long)h * flex[AA_BF_TSH];
+    return (int)(flex[AA_BF_TLIST] +
+                 (t * flex[AA_BF_NK] + c0 / flex[AA_BF_KB]) * 2 * (flex[AA_BF_NQ] + 1));
+}
+// The first tile start at or after `begin` (a multiple of the tile step) inside a listed
+// block of `blk` positions, `cur` moved to its pair; `end` when none is before it. The end
+// pair's block starts at or past every end (nq * Q_BLOCK >= L, nk * KV_BLOCK >= S).
+AA_BWD_DEV int aa_bflex_first(const int* flex, int& cur, int blk, int begin, int end) {
+    while ((flex[cur] + 1) * blk <= begin) cur += 2;
+    const int p0 = flex[cur] * blk;
+    const int p = p0 > begin ? p0 : begin;
+    return p < end ? p : end;
+}
+// The tile start after p (`step` positions on, else the next listed block's first).
+AA_BWD_DEV int aa_bflex_peek(const int* flex, int cur, int blk, int p, int step, int end) {
+    int nx = p + step;
+    if (nx >= (flex[cur] + 1) * blk) nx = flex[cur + 2] * blk;
+    return nx < end ? nx : end;
+}
+// Move `cur` on to the pair of p_next (the value aa_bflex_peek gave).
+AA_BWD_DEV void aa_bflex_advance(const int* flex, int& cur, int blk, int p_next) {
+    if (p_next >= (flex[cur] + 1) * blk) cur += 2;
+}
+// aa_bflex_peek then aa_bflex_advance.
+AA_BWD_DEV int aa_bflex_step(const int* flex, int& cur, int blk, int p, int step, int end) {
+    const int nx = aa_bflex_peek(flex, cur, blk, p, step, end);
+    aa_bflex_advance(flex, cur, blk, nx);
+    return nx;
+}
+// Whether the block mask lets query i see key j, (i, j) inside the block of the pair at
+// `cur` (a full block: always; a partial one: its bit).
+AA_BWD_DEV bool aa_bflex_ok(const int* flex, int cur, int i, int j) {
+    const int pid = flex[cur + 1];
+    if (pid < 0) return true;
+    const int qb = flex[AA_BF_QB];
+    const int wpr = flex[AA_BF_WPR];
+    const int col = j % flex[AA_BF_KB];
+    const aa_u32* bits = reinterpret_cast<const aa_u32*>(flex + flex[AA_BF_BITS]);
+    const aa_u32 w = bits[((long long)pid * qb + i % qb) * wpr + (col >> 5)];
+    return ((w >> (col & 31)) & 1u) != 0u;
+}
+// The first (head g >= the given g, query tile) step of a dK/dV block of key block c0 in
+// its group's flattened sequence: the first tile of [begin, hi) listed for head hk * G + g;
+// g = G and hi when no head has one.
+AA_BWD_DEV int aa_bflex_seek(const int* flex, int b, int hk, int G, int c0, int begin, int hi,
+                             int& g) {
+    for (; g < G; ++g) {
+        int cur = aa_bflex_krow(flex, b, hk * G + g, c0);
+        const int m = aa_bflex_first(flex, cur, flex[AA_BF_QB], begin, hi);
+        if (m < hi) return m;
+    }
+    return hi;
+}
+
 // The ALiBi bias of (i, j) for a head of slope `slope` (slope 0 when alibi is absent).
 template <typename Acc>
 AA_BWD_DEV Acc aa_bwd_alibi(Acc slope, int i, int j, int offset) {
@@ -142,7 +219,7 @@ AA_BWD_DEV void aa_bwd_element(Acc acc_s, Acc acc_dp, Acc lse2, Acc delta, bool 
         const int *__restrict__ q_lens, const int *__restrict__ k_lens, aa_u32 seed,        \
         aa_u32 drop_threshold, Acc inv_keep, const unsigned char *__restrict__ mask,         \
         long long m_sb, long long m_sh, long long m_sr, long long m_sc,                       \
-        const Acc *__restrict__ alibi
+        const Acc *__restrict__ alibi, const int *__restrict__ flex
 
 // ---------------------------------------------------------------------------------------
 // Preprocessing: one warp per row. delta = rowsum(dO * O) - dLSE; lse2 = LSE * log2(e).
@@ -204,14 +281,15 @@ AA_BWD_DEV void aa_bwd_load_stats(Acc* sL, Acc* sD, const Acc* lse2, const Acc* 
 }
 
 // P (dropped) and dS for a BM x BN tile from the resident sQ, sK, sV, sdO tiles.
-template <typename Acc, int HD, int BN, int BM, int NT>
+template <typename Acc, int HD, int BN, int BM, int NT, bool FLEX = false>
 AA_BWD_DEV void aa_bwd_tile_simt(const Acc* sQ, const Acc* sK, const Acc* sV, const Acc* sdO,
                                  const Acc* sL, const Acc* sD, Acc* sP, Acc* sdS, int m0,
                                  int c0, bool full, const AaBwdSeq& seq, int left, int right,
                                  AaDropState drop, bool dropout, aa_u32 drop_threshold,
                                  Acc scale, Acc softcap, Acc inv_softcap, Acc inv_keep,
                                  const unsigned char* mask, long long m_base, long long m_sr,
-                                 long long m_sc, int L, const Acc* alibi, long long qh) {
+                                 long long m_sc, int L, const Acc* alibi, long long qh,
+                                 const int* flex = nullptr, int fcur = 0) {
     constexpr int LD = HD + 1;
     constexpr int LDP = BN + 1;
     constexpr int MSTRIDE = NT / BN;    // threads sharing one key take rows mb, mb + MSTRIDE..
@@ -244,8 +322,9 @@ AA_BWD_DEV void aa_bwd_tile_simt(const Acc* sQ, const Acc* sK, const Acc* sV, co
         const int m = mb + t * MSTRIDE;
         const int i = m0 + m;
         const int j = c0 + n;
-        const bool allowed = (full || aa_allowed(i, j, seq.offset, left, right, seq.k_len)) &&
-                             aa_bwd_mask_ok(mask, m_base, m_sr, m_sc, i, j, L);
+        bool allowed = (full || aa_allowed(i, j, seq.offset, left, right, seq.k_len)) &&
+                       aa_bwd_mask_ok(mask, m_base, m_sr, m_sc, i, j, L);
+        if constexpr (FLEX) allowed = allowed && aa_bflex_ok(flex, fcur, i, j);
         bool keep = true;
         if (dropout) keep = aa_drop_keep(aa_drop_bits_rc(aa_drop_row(drop, i), j), drop_threshold);
         Acc p, ds;
@@ -265,8 +344,11 @@ struct AaBwdSimtSmem {
 };
 
 // dK, dV (and dQ by atomics unless dq_acc is null) for one key block.
-template <typename T, typename Acc, int HD, int BN, int BM, int NT>
-__global__ void __launch_bounds__(NT, AaMinBlocks<AaBwdSimtSmem<Acc, HD, BN, BM>::value, NT>::value)
+// (FLEX: one block per SM as the launch bound's minimum: the list walk's state made the
+// float32 D = 64 kernel spill under the 128 registers of two 256-thread blocks.)
+template <typename T, typename Acc, int HD, int BN, int BM, int NT, bool FLEX = false>
+__global__ void __launch_bounds__(
+    NT, FLEX ? 1 : AaMinBlocks<AaBwdSimtSmem<Acc, HD, BN, BM>::value, NT>::value)
 aa_bwd_dkdv_simt(AA_BWD_ARGS(typename AaIO<T>::type, Acc), typename AaIO<T>::type* __restrict__ dk,
                  typename AaIO<T>::type* __restrict__ dv,
                  Acc* __restrict__ dq_acc) {
@@ -311,7 +393,14 @@ aa_bwd_dkdv_simt(AA_BWD_ARGS(typename AaIO<T>::type, Acc), typename AaIO<T>::typ
         const long long qh = (long long)b * Hq + h;
         const AaDropState drop = aa_drop_prefix(seed, b, h);
         const long long m_base = (long long)b * m_sb + (long long)h * m_sh;
-        for (int m0 = hi > lo ? (lo / BM) * BM : hi; m0 < hi; m0 += BM) {
+        int m0 = hi > lo ? (lo / BM) * BM : hi;
+        int fcur = 0;  // FLEX: the transposed list's pair of m0's query block
+        if constexpr (FLEX) {
+            fcur = aa_bflex_krow(flex, b, h, c0);
+            m0 = aa_bflex_first(flex, fcur, flex[AA_BF_QB], m0, hi);
+        }
+        for (; m0 < hi; m0 = FLEX ? aa_bflex_step(flex, fcur, flex[AA_BF_QB], m0, BM, hi)
+                                  : m0 + BM) {
             __syncthreads();  // the previous step's readers of sQ/sdO/sP/sdS are done
             aa_bwd_load_rows<T, Acc, HD, BM, NT>(sQ, q + qh * L * E, m0, L, E);
             aa_bwd_load_rows<T, Acc, HD, BM, NT>(sdO, dout + qh * L * Ev, m0, L, Ev);
@@ -319,11 +408,11 @@ aa_bwd_dkdv_simt(AA_BWD_ARGS(typename AaIO<T>::type, Acc), typename AaIO<T>::typ
             __syncthreads();
             const bool full = aa_block_full(m0, m0 + BM, c0, c0 + BN, seq.offset, left, right,
                                             seq.k_len);
-            aa_bwd_tile_simt<Acc, HD, BN, BM, NT>(sQ, sK, sV, sdO, sL, sD, sP, sdS, m0, c0,
-                                                  full, seq, left, right, drop, dropout,
-                                                  drop_threshold, scale, softcap, inv_softcap,
-                                                  inv_keep, mask, m_base, m_sr, m_sc, L,
-                                                  alibi, qh);
+            aa_bwd_tile_simt<Acc, HD, BN, BM, NT, FLEX>(sQ, sK, sV, sdO, sL, sD, sP, sdS, m0,
+                                                        c0, full, seq, left, right, drop,
+                                                        dropout, drop_threshold, scale, softcap,
+                                                        inv_softcap, inv_keep, mask, m_base,
+                                                        m_sr, m_sc, L, alibi, qh, flex, fcur);
             __syncthreads();
             // dV += P^T dO, dK += dS^T Q for this thread's key and dims.
             for (int m = 0; m < BM; ++m) {
@@ -364,7 +453,7 @@ aa_bwd_dkdv_simt(AA_BWD_ARGS(typename AaIO<T>::type, Acc), typename AaIO<T>::typ
 }
 
 // Deterministic dQ: one block per (query block, query head, batch), key blocks in order.
-template <typename T, typename Acc, int HD, int BN, int BM, int NT>
+template <typename T, typename Acc, int HD, int BN, int BM, int NT, bool FLEX = false>
 __global__ void __launch_bounds__(NT, AaMinBlocks<AaBwdSimtSmem<Acc, HD, BN, BM>::value, NT>::value)
 aa_bwd_dq_simt(AA_BWD_ARGS(typename AaIO<T>::type, Acc), typename AaIO<T>::type* __restrict__ dq) {
     constexpr int LD = HD + 1;
@@ -407,17 +496,24 @@ aa_bwd_dq_simt(AA_BWD_ARGS(typename AaIO<T>::type, Acc), typename AaIO<T>::type*
 
     int lo, hi;
     aa_key_range(m0, min(m0 + BM, seq.q_len), seq.offset, left, right, seq.k_len, lo, hi);
-    for (int c0 = hi > lo ? (lo / BN) * BN : hi; c0 < hi; c0 += BN) {
+    int c0 = hi > lo ? (lo / BN) * BN : hi;
+    int fcur = 0;  // FLEX: the list's pair of c0's key block
+    if constexpr (FLEX) {
+        fcur = aa_bflex_qrow(flex, b, h, m0);
+        c0 = aa_bflex_first(flex, fcur, flex[AA_BF_KB], c0, hi);
+    }
+    for (; c0 < hi; c0 = FLEX ? aa_bflex_step(flex, fcur, flex[AA_BF_KB], c0, BN, hi) : c0 + BN) {
         __syncthreads();
         aa_bwd_load_rows<T, Acc, HD, BN, NT>(sK, k + kv_head * S * E, c0, S, E);
         aa_bwd_load_rows<T, Acc, HD, BN, NT>(sV, v + kv_head * S * Ev, c0, S, Ev);
         __syncthreads();
         const bool full =
             aa_block_full(m0, m0 + BM, c0, c0 + BN, seq.offset, left, right, seq.k_len);
-        aa_bwd_tile_simt<Acc, HD, BN, BM, NT>(sQ, sK, sV, sdO, sL, sD, sP, sdS, m0, c0, full,
-                                              seq, left, right, drop, dropout, drop_threshold,
-                                              scale, softcap, inv_softcap, inv_keep, mask, m_base,
-                                              m_sr, m_sc, L, alibi, qh);
+        aa_bwd_tile_simt<Acc, HD, BN, BM, NT, FLEX>(sQ, sK, sV, sdO, sL, sD, sP, sdS, m0, c0,
+                                                    full, seq, left, right, drop, dropout,
+                                                    drop_threshold, scale, softcap, inv_softcap,
+                                                    inv_keep, mask, m_base, m_sr, m_sc, L, alibi,
+                                                    qh, flex, fcur);
         __syncthreads();
         // dQ rows mq, mq + NT/HD, ... at dim dq_d: each K element read serves PER rows.
 #pragma unroll 4
@@ -963,7 +1059,7 @@ struct AaBwdMma2Smem {
 // (one pipeline stage, one barrier) runs as BM / BMS register sub-steps of BMS rows: S^T,
 // dP^T, P, dS live in registers for BMS rows only, so BM can grow past what the register
 // file holds (at D = 128 the dK/dV accumulators alone take 128 of 255 registers).
-template <typename T, int HD, int NW, int BM, int BMS>
+template <typename T, int HD, int NW, int BM, int BMS, bool FLEX = false>
 __global__ void __launch_bounds__(NW * 32)
 aa_bwd_dkdv_mma2(AA_BWD_ARGS(typename AaIO<T>::type, float),
                  typename AaIO<T>::type* __restrict__ dk, typename AaIO<T>::type* __restrict__ dv,
@@ -1005,14 +1101,20 @@ aa_bwd_dkdv_mma2(AA_BWD_ARGS(typename AaIO<T>::type, float),
     aa_row_range(c0, min(c0 + BN, seq.k_len), seq.offset, left, right, seq.q_len, lo, hi);
     const int mfirst = hi > lo ? (lo / BM) * BM : hi;
 
-    // Prologue: K, V and the first step's Q, dO, stats in one commit group.
+    // Prologue: K, V and the first step's Q, dO, stats in one commit group. (FLEX: the
+    // first step is the first listed query tile of the first head that has one.)
     aa_bwd_async_tile16<HD, BN, NT>(sK, k + kv_head * S * E, c0, S, E);
     aa_bwd_async_tile16<HD, BN, NT>(sV, v + kv_head * S * Ev, c0, S, Ev);
-    if (mfirst < hi) {
-        const long long qh = (long long)b * Hq + hk * G;
-        aa_bwd_async_tile16<HD, BM, NT>(sQ0, q + qh * L * E, mfirst, L, E);
-        aa_bwd_async_tile16<HD, BM, NT>(sdO0, dout + qh * L * Ev, mfirst, L, Ev);
-        aa_bwd_async_stats<BM, NT>(sL0, sD0, lse2 + qh * L, delta + qh * L, mfirst, seq.q_len);
+    {
+        int g1 = 0;
+        int m1 = mfirst;
+        if constexpr (FLEX) m1 = aa_bflex_seek(flex, b, hk, G, c0, mfirst, hi, g1);
+        if (m1 < hi) {
+            const long long qh = (long long)b * Hq + hk * G + g1;
+            aa_bwd_async_tile16<HD, BM, NT>(sQ0, q + qh * L * E, m1, L, E);
+            aa_bwd_async_tile16<HD, BM, NT>(sdO0, dout + qh * L * Ev, m1, L, Ev);
+            aa_bwd_async_stats<BM, NT>(sL0, sD0, lse2 + qh * L, delta + qh * L, m1, seq.q_len);
+        }
     }
     aa_bwd_cp_commit();
 
@@ -1029,17 +1131,30 @@ aa_bwd_dkdv_mma2(AA_BWD_ARGS(typename AaIO<T>::type, float),
         const float slope = alibi ? alibi[qh] : 0.f;
         const AaDropState drop = aa_drop_prefix(seed, b, h);
         const long long m_base = (long long)b * m_sb + (long long)h * m_sh;
-        for (int m0 = mfirst; m0 < hi; m0 += BM, stage ^= 1) {
+        int m0 = mfirst;
+        int fcur = 0;  // FLEX: the transposed list's pair of m0's query block
+        if constexpr (FLEX) {
+            fcur = aa_bflex_krow(flex, b, h, c0);
+            m0 = aa_bflex_first(flex, fcur, flex[AA_BF_QB], mfirst, hi);
+        }
+        for (; m0 < hi; m0 = FLEX ? aa_bflex_step(flex, fcur, flex[AA_BF_QB], m0, BM, hi)
+                                  : m0 + BM,
+                        stage ^= 1) {
             // This thread's copies of this step landed; the barrier makes everyone's
             // visible and tells that every thread left the previous step, whose buffers
             // (the other stage, dS^T) may now be overwritten.
             aa_bwd_cp_wait_all();
             __syncthreads();
             {
-                // Prefetch the next step (next query block, or the next head's first).
-                int nm0 = m0 + BM;
+                // Prefetch the next step (next query block, or the next head's first;
+                // FLEX: the next listed one, or the next head's first listed one).
+                int nm0 = FLEX ? aa_bflex_peek(flex, fcur, flex[AA_BF_QB], m0, BM, hi) : m0 + BM;
                 int ng = g;
-                if (nm0 >= hi) { nm0 = mfirst; ++ng; }
+                if (nm0 >= hi) {
+                    nm0 = mfirst;
+                    ++ng;
+                    if constexpr (FLEX) nm0 = aa_bflex_seek(flex, b, hk, G, c0, mfirst, hi, ng);
+                }
                 if (ng < G) {
                     const long long nqh = (long long)b * Hq + hk * G + ng;
                     const int ns = stage ^ 1;
@@ -1094,9 +1209,10 @@ aa_bwd_dkdv_mma2(AA_BWD_ARGS(typename AaIO<T>::type, float),
                         const int qi = ms + t * 8 + 2 * (lane % 4) + (r % 2);
                         const int i = m0 + qi;
                         const int j = c0 + key;
-                        const bool allowed =
+                        bool allowed =
                             (full || aa_allowed(i, j, seq.offset, left, right, seq.k_len)) &&
                             aa_bwd_mask_ok(mask, m_base, m_sr, m_sc, i, j, L);
+                        if constexpr (FLEX) allowed = allowed && aa_bflex_ok(flex, fcur, i, j);
                         bool keep = true;
                         if (dropout)
                             keep = aa_drop_keep(aa_drop_bits_rc(aa_drop_row(drop, i), j),
@@ -1210,7 +1326,7 @@ struct AaBwdDqMma2Smem {
 
 // Deterministic dQ (v1's aa_bwd_dq_mma) with K/V double-buffered by cp.async: the key
 // blocks still come in the same fixed order, so dQ stays bit-identical run to run.
-template <typename T, int HD, int NW, int BN>
+template <typename T, int HD, int NW, int BN, bool FLEX = false>
 __global__ void __launch_bounds__(NW * 32)
 aa_bwd_dq_mma2(AA_BWD_ARGS(typename AaIO<T>::type, float), typename AaIO<T>::type* __restrict__ dq) {
     constexpr int BM = 16 * NW;
@@ -1246,7 +1362,12 @@ aa_bwd_dq_mma2(AA_BWD_ARGS(typename AaIO<T>::type, float), typename AaIO<T>::typ
 
     int lo, hi;
     aa_key_range(m0, min(m0 + BM, seq.q_len), seq.offset, left, right, seq.k_len, lo, hi);
-    const int cfirst = hi > lo ? (lo / BN) * BN : hi;
+    int cfirst = hi > lo ? (lo / BN) * BN : hi;
+    int fcur = 0;  // FLEX: the list's pair of c0's key block
+    if constexpr (FLEX) {
+        fcur = aa_bflex_qrow(flex, b, h, m0);
+        cfirst = aa_bflex_first(flex, fcur, flex[AA_BF_KB], cfirst, hi);
+    }
 
     // Prologue: Q, dO, stats and the first K/V block in one commit group.
     aa_bwd_async_tile16<HD, BM, NT>(sQ, q + qh * L * E, m0, L, E);
@@ -1265,14 +1386,17 @@ aa_bwd_dq_mma2(AA_BWD_ARGS(typename AaIO<T>::type, float), typename AaIO<T>::typ
         for (int r = 0; r < 4; ++r) acc_q[t][r] = 0.f;
 
     int stage = 0;
-    for (int c0 = cfirst; c0 < hi; c0 += BN, stage ^= 1) {
+    for (int c0 = cfirst; c0 < hi;
+         c0 = FLEX ? aa_bflex_step(flex, fcur, flex[AA_BF_KB], c0, BN, hi) : c0 + BN,
+             stage ^= 1) {
         aa_bwd_cp_wait_all();
         __syncthreads();  // this block's K/V visible; the other stage is free again
-        if (c0 + BN < hi) {
+        const int cn = FLEX ? aa_bflex_peek(flex, fcur, flex[AA_BF_KB], c0, BN, hi) : c0 + BN;
+        if (cn < hi) {
             aa_bwd_async_tile16<HD, BN, NT>(sK0 + (stage ^ 1) * 2 * BN * LDH, k + kv_head * S * E,
-                                            c0 + BN, S, E);
+                                            cn, S, E);
             aa_bwd_async_tile16<HD, BN, NT>(sV0 + (stage ^ 1) * 2 * BN * LDH,
-                                            v + kv_head * S * Ev, c0 + BN, S, Ev);
+                                            v + kv_head * S * Ev, cn, S, Ev);
         }
         aa_bwd_cp_commit();
         const H* sK = sK0 + stage * 2 * BN * LDH;
@@ -1312,9 +1436,10 @@ aa_bwd_dq_mma2(AA_BWD_ARGS(typename AaIO<T>::type, float), typename AaIO<T>::typ
                 const int key = t * 8 + 2 * (lane % 4) + (r % 2);
                 const int i = m0 + qi;
                 const int j = c0 + key;
-                const bool allowed =
+                bool allowed =
                     (full || aa_allowed(i, j, seq.offset, left, right, seq.k_len)) &&
                     aa_bwd_mask_ok(mask, m_base, m_sr, m_sc, i, j, L);
+                if constexpr (FLEX) allowed = allowed && aa_bflex_ok(flex, fcur, i, j);
                 bool keep = true;
                 if (dropout)
                     keep = aa_drop_keep(aa_drop_bits_rc(aa_drop_row(drop, i), j), drop_threshold);

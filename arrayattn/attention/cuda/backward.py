@@ -48,6 +48,19 @@ after the kernels), ALiBi slopes (the bias recomputed per element from indices),
 (already in the saved LSE; their gradient is a row reduction the caller does). A float
 ``attn_mask`` (additive bias) declines: its gradient is a
 dense ``L x S`` array, which the array-API backward computes.
+
+**Block masks** (``arrayattn.flex``; opt-in until they have run on a GPU:
+``ARRAYATTN_FLEX_BWD_KERNELS=1``, read at each call by :func:`flex_kernels_enabled`;
+unset, ``FusedAttention.backward`` runs the array-API backward for every flex call): the
+instantiations with a last template argument ``true`` (:func:`flex_plan`) read the block
+table of ``flex_table.py`` (cached on the ``BlockMask``, shared with the forward): the dQ
+kernel walks per query block the forward's list of non-empty key blocks, the dK/dV kernel
+per key block the transposed list (the non-empty query blocks), and partial blocks' bits
+are ANDed where the dense bool mask is. v2's kernels (float16/bfloat16 at head dims 64 and
+128) and the CUDA-core kernels (float32/float64, and 16-bit at head dim 256) have them,
+deterministic mode included; v3 runs v2's, v1's tensor-core kernels decline (the array-API
+backward runs those calls). No score_mod (declined), and each kernel tile must lie inside
+one mask block (``flex_table.backward_tiles_fit``).
 """
 
 from __future__ import annotations
@@ -65,9 +78,11 @@ import numpy as np
 from ..._backend import Array, is_cupy, library_name
 from ..dropout import dropout_threshold
 from ..spec import AttentionSpec
-from . import _loader
+from . import _loader, flex_table
 from .operands import (
     compute_capability,
+    device_index,
+    is_block,
     kernel_diagonal,
     kernel_kind,
     mask_operand,
@@ -92,6 +107,10 @@ __all__ = [
     "kernel_file",
     "VARIANTS",
     "bwd_variant",
+    "flex_plan",
+    "flex_declines",
+    "flex_kernels_enabled",
+    "FLEX_ENV",
 ]
 
 SOURCE = "attn_bwd.cu"
@@ -360,6 +379,44 @@ def backward_plan(kind: str, e: int, ev: int, variant: str | None = None) -> Bac
     )
 
 
+FLEX_ENV = "ARRAYATTN_FLEX_BWD_KERNELS"
+"""The environment variable that lets block-mask calls reach the backward kernels."""
+
+
+def flex_kernels_enabled() -> bool:
+    """Whether ``ARRAYATTN_FLEX_BWD_KERNELS`` is ``1``/``true``/``yes`` (read at each call):
+    block-mask backwards then run in the kernels (:func:`flex_plan`); otherwise the
+    array-API backward runs them (the default, until the kernels have run on a GPU)."""
+    return os.environ.get(FLEX_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def _flexed(name: str) -> str:
+    return name[:-1] + ", true>"
+
+
+def flex_plan(kind: str, e: int, ev: int, variant: str | None = None) -> BackwardPlan | None:
+    """The block-mask plan: :func:`backward_plan`'s with the dK/dV and dQ kernels' ``FLEX``
+    instantiations (v3 gives v2's; v1's tensor-core kernels have none: v2's where v2 holds
+    the call, else ``None``).
+
+    Examples:
+        >>> flex_plan("float16", 64, 64, variant="v3").dkdv
+        'aa_bwd_dkdv_mma2<AaF16, 64, 8, 64, 64, true>'
+        >>> flex_plan("float32", 64, 64).dq
+        'aa_bwd_dq_simt<float, float, 64, 64, 32, 256, true>'
+        >>> flex_plan("float16", 96, 96) is None
+        True
+    """
+    plan = backward_plan(kind, e, ev, variant)
+    if plan is None:
+        return None
+    if plan.variant == "v3" or (plan.tensor_cores and plan.variant == "v1"):
+        plan = backward_plan(kind, e, ev, "v2")
+        if plan is None or (plan.tensor_cores and plan.variant != "v2"):
+            return None
+    return dataclasses.replace(plan, dkdv=_flexed(plan.dkdv), dq=_flexed(plan.dq))
+
+
 def _all_plans() -> list[BackwardPlan]:
     """v1's plans at every bucket, then v2's own (its instantiations only: the 16-bit kinds
     at head dims 64 and 128)."""
@@ -375,6 +432,12 @@ def _all_plans() -> list[BackwardPlan]:
             plans.append(_plan_v2(kind, d))
         for d in _V3_HEAD_DIMS:
             plans.append(_plan_v3(kind, d))
+    # block masks: the FLEX instantiations of the CUDA-core and v2 kernels
+    for kind in _KIND_TYPES:
+        for d in _SIMT_HEAD_DIMS:
+            plan = flex_plan(kind, d, d, variant="v2")
+            if plan is not None:
+                plans.append(plan)
     return plans
 
 
@@ -504,6 +567,7 @@ def run_kernels(
     mask_strides: tuple[int, int, int, int] = (0, 0, 0, 0),
     deterministic: bool = False,
     alibi: Array | None = None,
+    flex: Array | None = None,
 ) -> tuple[Array, Array, Array]:
     """The backward on contiguous arrays: ``q (B, Hq, L, E)``, ``k (B, Hkv, S, E)``,
     ``v (B, Hkv, S, Ev)``, ``out``/``d_out (B, Hq, L, Ev)`` in the kernel dtype,
@@ -517,7 +581,8 @@ def run_kernels(
     as uint8 (nonzero = takes part) read at ``b * s0 + h * s1 + i * s2 + j * s3`` for the
     element strides ``mask_strides`` (0 on broadcast dims). ``alibi`` holds ALiBi slopes,
     contiguous ``(B * Hq,)`` in the accumulation dtype, or ``None``. Sinks need no
-    argument: ``lse`` includes them.
+    argument: ``lse`` includes them. ``flex``: a block mask's table (``flex_table.build``)
+    for a :func:`flex_plan` plan, else ``None``.
     """
     B, Hq, L, E = (int(s) for s in q.shape)
     Hkv, S, Ev = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
@@ -552,6 +617,7 @@ def run_kernels(
         acc_np(1.0 / (1.0 - dropout_p)),
         NULL if mask is None else mask, *(np.int64(st) for st in mask_strides),
         NULL if alibi is None else alibi,
+        NULL if flex is None else flex,
     )  # fmt: skip
     dk = xp.empty((B, Hkv, S, E), dtype=q.dtype)
     dv = xp.empty((B, Hkv, S, Ev), dtype=q.dtype)
@@ -591,6 +657,10 @@ def declines(spec: AttentionSpec) -> str | None:
         return "the kernels hash dropout at local positions; this is a block of a larger call"
     if kernel_diagonal(spec) is None:
         return "this block's per-sequence diagonal offsets are not its kv_len - q_len"
+    if spec.flex:
+        reason = flex_declines(spec)
+        if reason is not None:
+            return reason
     if kind in ("float16", "bfloat16"):
         # CuPy gives "90", "100", ...: the whole string is the number (major * 10 + minor)
         cc = compute_capability(spec)
@@ -600,6 +670,33 @@ def declines(spec: AttentionSpec) -> str | None:
                 f"{cc / 10:.1f}"
             )
     return None
+
+
+def flex_declines(spec: AttentionSpec) -> str | None:
+    """Why the backward kernels do not run this ``arrayattn.flex`` call, or ``None`` (see
+    the module docstring, "Block masks")."""
+    if not flex_kernels_enabled():
+        return (
+            f"block masks reach the backward kernels only with {FLEX_ENV}=1 (opt-in until "
+            "they have run on a GPU)"
+        )
+    if spec.score_mod is not None:
+        return "score_mod is not in the backward kernels (the array-API backward runs it)"
+    if spec.block_mask is None:
+        return "a mask_mod without a block mask: the backward kernels read a BlockMask's table"
+    if is_block(spec):
+        return "a block mask in a block of a larger call (the Dask path's tasks)"
+    kind = kernel_kind(spec)
+    assert kind is not None
+    plan = flex_plan(kind, spec.E, spec.Ev)
+    if plan is None:
+        return (
+            f"block masks: no backward kernel reads them at {kind} E={spec.E}, Ev={spec.Ev} "
+            "(v2's at head dims 64/128 with E, Ev multiples of 8, or the CUDA-core kernels)"
+        )
+    tiles = ((plan.dkdv_block_m, plan.dkdv_block_n), (plan.dq_block_m, plan.dq_block_n))
+    reason = flex_table.backward_tiles_fit(spec.block_mask, tiles)
+    return None if reason is None else f"block mask: {reason}"
 
 
 def _full(
@@ -685,6 +782,8 @@ def backward(
     kind = kernel_kind(spec)
     assert kind is not None  # declines() refuses a dtype without kernels
     plan = backward_plan(kind, spec.E, spec.Ev, bwd_variant())
+    if spec.flex:  # declines() checked the block mask, the plan and its tiles
+        plan = flex_plan(kind, spec.E, spec.Ev)
     assert plan is not None  # declines() refuses head dims no variant holds
     B, Hq, Hkv, L, S, E, Ev = (spec.batch_size, spec.Hq, spec.Hkv, spec.L, spec.S, spec.E, spec.Ev)
     if B == 0 or Hq == 0 or L == 0 or S == 0 or E == 0 and Ev == 0:
@@ -693,6 +792,10 @@ def backward(
         ]
         return zeros[0], zeros[1], zeros[2], None
 
+    flex = None
+    if spec.flex:  # the block table on this device (built once, cached on the BlockMask)
+        assert spec.block_mask is not None
+        flex = flex_table.table(spec.block_mask, spec.xp, device_index(spec), spec.device)
     q = _full(spec, query, spec.q_shape, Hq, (L, E))
     k = _full(spec, key, spec.k_shape, Hkv, (S, E))
     v = _full(spec, value, spec.v_shape, Hkv, (S, Ev))
@@ -735,6 +838,7 @@ def backward(
         mask_strides=mask_strides,
         deterministic=det,
         alibi=per_head_operand(spec, spec.alibi_slopes, acc),
+        flex=flex,
     )
     return (
         _reduce(spec, dq, spec.q_shape, Hq),

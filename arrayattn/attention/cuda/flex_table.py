@@ -12,6 +12,12 @@ Layout (``attn_fwd.cu``, "Block masks"; ``AA_FLEX_*``): a header of
   ``(nk, -1)`` (``(B or 1, H or 1, nq, nk + 1, 2)``; entries past the end are unused; the
   kernels walk a list with one pointer and stop at the end pair, whose first tile lies
   at or past every key range);
+* ``tcounts``/``tlists`` (for the backward kernels' dK/dV, FlexAttention's
+  ``q_num_blocks``/``q_indices``): the transpose, per (batch, head, key mask block) the
+  non-empty query blocks as ``(query block, partial id)`` pairs ended by ``(nq, -1)``
+  (``(B or 1, H or 1, nk)`` and ``(B or 1, H or 1, nk, nq + 1, 2)``; header slots 10 and
+  11 hold their offsets). A partial block has the same id in both directions, so both
+  read the same bits;
 * ``bits``: the elementwise mask of every partial block, ``(P, Q_BLOCK, wpr)`` 32-bit
   words (bit ``c`` of a row's words is key ``c`` of the block; 1 = takes part), from
   one evaluation of the mask_mod on the partial blocks only (index arrays in the block
@@ -32,7 +38,15 @@ import numpy as np
 
 from ..block_mask import EMPTY, PARTIAL, BlockMask, mod_allowed
 
-__all__ = ["HEADER", "MASK_FLEX", "tiles_fit", "host_layout", "build", "table"]
+__all__ = [
+    "HEADER",
+    "MASK_FLEX",
+    "tiles_fit",
+    "backward_tiles_fit",
+    "host_layout",
+    "build",
+    "table",
+]
 
 HEADER = 16
 """int32 values before the counts (``AA_FLEX_HEADER``)."""
@@ -58,35 +72,58 @@ def tiles_fit(bm: BlockMask, block_m: int, block_n: int) -> str | None:
     return None
 
 
+def _lists(nonempty: np.ndarray, pid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of the last axis: the count of non-empty blocks and their ascending
+    ``(block, partial id)`` pairs ended by ``(n, -1)``."""
+    n = nonempty.shape[-1]
+    counts = nonempty.sum(axis=-1).astype(np.int32)
+    order = np.argsort(~nonempty, axis=-1, kind="stable").astype(np.int32)
+    lists = np.empty(nonempty.shape[:-1] + (n + 1, 2), np.int32)
+    lists[..., :n, 0] = order
+    lists[..., :n, 1] = np.take_along_axis(pid, order, axis=-1)
+    end = counts[..., None].astype(np.int64)  # the end pair right after the listed blocks
+    np.put_along_axis(lists[..., 0], end, n, axis=-1)
+    np.put_along_axis(lists[..., 1], end, -1, axis=-1)
+    return counts, lists
+
+
+def backward_tiles_fit(bm: BlockMask, tiles: tuple[tuple[int, int], ...]) -> str | None:
+    """:func:`tiles_fit` for the backward kernels: every ``(query rows, keys)`` tile of
+    ``tiles`` (the dK/dV kernel's query step x key block, the dQ kernel's query block x key
+    step) inside one mask block; ``None``, else why not."""
+    for bm_rows, bn_keys in tiles:
+        reason = tiles_fit(bm, bm_rows, bn_keys)
+        if reason is not None:
+            return reason.replace("the kernel's", "the backward kernels'")
+    return None
+
+
 def host_layout(kinds: np.ndarray, q_block: int, kv_block: int) -> tuple[np.ndarray, np.ndarray]:
     """The table without its bits: ``(head_counts_lists, partial)`` where the first is the
-    int32 header + counts + lists and ``partial`` the ``(P, 4)`` int64 ``(b, h, qi, ki)``
-    of the partial blocks in partial-id order."""
+    int32 header + counts + lists + transposed counts + lists and ``partial`` the
+    ``(P, 4)`` int64 ``(b, h, qi, ki)`` of the partial blocks in partial-id order."""
     kinds = np.asarray(kinds)
     Bt, Ht, nq, nk = kinds.shape
     wpr = -(-kv_block // 32)
     nonempty = kinds != EMPTY
     is_partial = kinds == PARTIAL
     pid = np.where(is_partial, np.cumsum(is_partial.reshape(-1)).reshape(kinds.shape) - 1, -1)
-    counts = nonempty.sum(axis=-1).astype(np.int32)
-    order = np.argsort(~nonempty, axis=-1, kind="stable").astype(np.int32)
-    lists = np.empty((Bt, Ht, nq, nk + 1, 2), np.int32)
-    lists[..., :nk, 0] = order
-    lists[..., :nk, 1] = np.take_along_axis(pid, order, axis=-1)
-    end = counts[..., None].astype(np.int64)  # the end pair right after the listed blocks
-    np.put_along_axis(lists[..., 0], end, nk, axis=-1)
-    np.put_along_axis(lists[..., 1], end, -1, axis=-1)
+    counts, lists = _lists(nonempty, pid)
+    tcounts, tlists = _lists(np.swapaxes(nonempty, -1, -2), np.swapaxes(pid, -1, -2))
     off_cnt = HEADER
     off_list = off_cnt + counts.size
-    off_bits = off_list + lists.size
+    off_tcnt = off_list + lists.size
+    off_tlist = off_tcnt + tcounts.size
+    off_bits = off_tlist + tlists.size
     if off_bits + int(is_partial.sum()) * q_block * wpr >= 2**31:
         raise ValueError("block mask table exceeds 2**31 int32 words")
     header = np.zeros(HEADER, np.int32)
-    header[:10] = (
+    header[:12] = (
         nq, nk, Ht if Bt > 1 else 0, 1 if Ht > 1 else 0, q_block, kv_block, wpr,
-        off_cnt, off_list, off_bits,
+        off_cnt, off_list, off_bits, off_tcnt, off_tlist,
     )  # fmt: skip
-    host = np.concatenate([header, counts.reshape(-1), lists.reshape(-1)]).astype(np.int32)
+    parts = [header, counts.reshape(-1), lists.reshape(-1), tcounts.reshape(-1)]
+    host = np.concatenate(parts + [tlists.reshape(-1)]).astype(np.int32)
     partial = np.argwhere(is_partial).astype(np.int64)
     return host, partial
 

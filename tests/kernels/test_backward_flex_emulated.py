@@ -1,0 +1,376 @@
+"""Block masks (``arrayattn.flex``) in the backward kernels, on the CPU: the ``FLEX``
+instantiations of v2 (``aa_bwd_dkdv_mma2`` / ``aa_bwd_dq_mma2``) and of the CUDA-core
+kernels (``aa_bwd_*_simt``) run on the host emulator (``backward_emulator.h``) with the
+block table of ``cuda/flex_table.py`` (the dQ kernels walk the forward's lists, the dK/dV
+kernels the transposed ones), against the float64 dense reference; the host glue
+(``ARRAYATTN_FLEX_BWD_KERNELS``, ``backward.declines``, ``fused.FusedAttention.backward``);
+and one ThreadSanitizer run. Nothing here has run on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _backward_emu as emu  # noqa: E402
+from _backward_reference import reference  # noqa: E402
+
+from arrayattn.attention import block_mask as bmod  # noqa: E402
+from arrayattn.attention.cuda import backward as kb  # noqa: E402
+from arrayattn.attention.cuda import flex_table  # noqa: E402
+from arrayattn.attention.cuda.backward import flex_plan, run_kernels  # noqa: E402
+from arrayattn.flex import create_block_mask  # noqa: E402
+
+TOL = {"float64": 1e-12, "float32": 2e-6, "float16": 2e-2, "bfloat16": 5e-2}
+
+
+def _to_kernel(x: np.ndarray, kind: str) -> np.ndarray:
+    if kind == "float16":
+        return np.ascontiguousarray(x.astype(np.float16)).view(np.uint16)
+    if kind == "bfloat16":  # round to nearest even on the top 16 bits
+        u = np.ascontiguousarray(x.astype(np.float32)).view(np.uint32)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.ascontiguousarray(x.astype(np.float64 if kind == "float64" else np.float32))
+
+
+def _from_kernel(x: np.ndarray, kind: str) -> np.ndarray:
+    if kind == "float16":
+        return x.view(np.float16).astype(np.float64)
+    if kind == "bfloat16":
+        return (x.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return x.astype(np.float64)
+
+
+def _dense(bm, B: int, Hq: int, L: int, S: int) -> np.ndarray:
+    """The mask_mod on every pair: (B, Hq, L, S) bool."""
+    b = np.arange(B, dtype=np.int32).reshape(B, 1, 1, 1)
+    h = np.arange(Hq, dtype=np.int32).reshape(1, Hq, 1, 1)
+    i = np.arange(L, dtype=np.int32).reshape(L, 1)
+    j = np.arange(S, dtype=np.int32)
+    return np.broadcast_to(bm.mask_mod(b, h, i, j), (B, Hq, L, S))
+
+
+def _doc_ids(n: int, lengths: list[int]) -> np.ndarray:
+    ids = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
+    return np.concatenate([ids, np.full(max(0, n - ids.size), len(lengths), np.int32)])[:n]
+
+
+# -- block masks of the cases ----------------------------------------------------------------
+def _document_causal(B: int, L: int, block):
+    ids = np.stack([_doc_ids(L, [70, 60, 62]), _doc_ids(L, [130, 62])])[:B]
+
+    def mod(b, h, q_idx, kv_idx):
+        return (ids[b, q_idx] == ids[b, kv_idx]) & (kv_idx <= q_idx)
+
+    return create_block_mask(mod, B, None, L, L, block_size=block)
+
+
+def _prefix_lm(B: int, L: int, S: int, block):
+    prefix = np.array([40, 90], np.int32)[:B]
+
+    def mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) | (kv_idx < prefix[b])
+
+    return create_block_mask(mod, B, None, L, S, block_size=block)
+
+
+def _window_global(Hq: int, L: int, S: int, block):
+    widths = np.array([24, 50, 10, 70], np.int32)[:Hq]  # per head: a size-H table
+
+    def mod(b, h, q_idx, kv_idx):
+        near = (kv_idx <= q_idx) & (q_idx - kv_idx < widths[h])
+        # global keys, and global queries on the odd heads only (so a key block far past
+        # the diagonal is listed for heads 1 and 3, empty for heads 0 and 2)
+        return near | (kv_idx < 4) | ((q_idx < 3) & (h % 2 == 1))
+
+    return create_block_mask(mod, None, Hq, L, S, block_size=block)
+
+
+def run_flex(lib, kind, bm, *, B, Hq, Hkv, L, S, E, Ev, deterministic, variant="v2",
+             q_lens=None, k_lens=None, sinks=False, causal=False, seed=0):  # fmt: skip
+    """The backward kernels' FLEX plan on the emulator with ``bm``'s table, vs the float64
+    dense reference (the mask_mod dense as its boolean mask): (got, ref, launcher)."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, Hq, L, E)) * 1.5
+    k = rng.standard_normal((B, Hkv, S, E)) * 1.5
+    v = rng.standard_normal((B, Hkv, S, Ev))
+    d_out = rng.standard_normal((B, Hq, L, Ev))
+    q, k, v, d_out = (_from_kernel(_to_kernel(x, kind), kind) for x in (q, k, v, d_out))
+    acc = np.float64 if kind == "float64" else np.float32
+    sk = rng.standard_normal((B, Hq)).astype(acc) if sinks else None
+    ql = None if q_lens is None else np.asarray(q_lens, np.int32)
+    kl = None if k_lens is None else np.asarray(k_lens, np.int32)
+    scale = 1.0 / math.sqrt(E)
+    opts = dict(scale=scale, softcap=None, causal=causal, align="top_left", window=(-1, -1),
+                q_lens=ql, k_lens=kl, dropout_p=0.0, seed=0, mask=_dense(bm, B, Hq, L, S),
+                sinks=sk)  # fmt: skip
+    out, lse, dq_ref, dk_ref, dv_ref = reference(q, k, v, d_out, None, **opts)
+    plan = flex_plan(kind, E, Ev, variant=variant)
+    assert plan is not None
+    tiles = ((plan.dkdv_block_m, plan.dkdv_block_n), (plan.dq_block_m, plan.dq_block_n))
+    assert flex_table.backward_tiles_fit(bm, tiles) is None
+    import array_api_compat.numpy as xnp
+
+    table = np.ascontiguousarray(np.asarray(flex_table.build(bm, xnp)), dtype=np.int32)
+    launch = emu.Launcher(lib)
+    dq, dk, dv = run_kernels(
+        emu.PoisonXp, launch, plan,
+        *(_to_kernel(x, kind) for x in (q, k, v, out, d_out)),
+        np.ascontiguousarray(lse, dtype=acc), None,
+        scale=scale, window=(-1, 0 if causal else -1), q_lens=ql, kv_lens=kl,
+        deterministic=deterministic, flex=table,
+    )  # fmt: skip
+    got = tuple(_from_kernel(x, kind) for x in (dq, dk, dv))
+    return got, (dq_ref, dk_ref, dv_ref), launch
+
+
+def _check(kind, got, ref, launch, want: str, deterministic: bool) -> None:
+    names = [n for n, *_ in launch.launches]
+    assert any(n.startswith(f"aa_bwd_dkdv_{want}") and n.endswith(", true>") for n in names)
+    assert deterministic == any(n.startswith(f"aa_bwd_dq_{want}") for n in names), names
+    for name, g, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
+        assert np.all(np.isfinite(g)), f"{name}: unwritten or non-finite elements"
+        err = float(np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-300))
+        assert err <= TOL[kind], f"{name}: relative error {err:.3g}"
+
+
+def _names(kinds_dims) -> list[str]:
+    out: list[str] = []
+    for kind, d in kinds_dims:
+        p = flex_plan(kind, d, d, variant="v2")
+        assert p is not None
+        out += [n for n in (p.preprocess, p.dkdv, p.dq, p.convert) if n]
+    return sorted(set(out))
+
+
+LIB_PLANS = (("float16", 64), ("bfloat16", 64), ("float32", 32), ("float64", 32))
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    if emu.compiler() is None or emu.cuda_include() is None:
+        pytest.skip("g++ and the CUDA headers are needed for the host emulator")
+    return emu.build(_names(LIB_PLANS), tmp_path_factory.mktemp("bwd_flex_emu"))
+
+
+# -- the table's transposed lists -------------------------------------------------------------
+def test_transposed_lists_match_kinds() -> None:
+    bm = _window_global(2, 200, 170, (64, 48))
+    import array_api_compat.numpy as xnp
+
+    t = np.asarray(flex_table.build(bm, xnp))
+    nq, nk, oc, ol, ob, otc, otl = (int(t[i]) for i in (0, 1, 7, 8, 9, 10, 11))
+    Bt, Ht = bm.kinds.shape[:2]
+    counts = t[oc:ol].reshape(Bt, Ht, nq)
+    lists = t[ol:otc].reshape(Bt, Ht, nq, nk + 1, 2)
+    tcounts = t[otc:otl].reshape(Bt, Ht, nk)
+    tlists = t[otl:ob].reshape(Bt, Ht, nk, nq + 1, 2)
+    for h in range(Ht):
+        for kj in range(nk):
+            col = bm.kinds[0, h, :, kj]
+            listed = tlists[0, h, kj, : tcounts[0, h, kj]]
+            np.testing.assert_array_equal(listed[:, 0], np.nonzero(col != bmod.EMPTY)[0])
+            assert tuple(tlists[0, h, kj, tcounts[0, h, kj]]) == (nq, -1)
+            for qi, pid in listed:  # the same partial id as the forward list's
+                fwd = {int(a): int(p) for a, p in lists[0, h, qi, : counts[0, h, qi]]}
+                assert fwd[kj] == pid and (pid >= 0) == (col[qi] == bmod.PARTIAL)
+
+
+# -- v2 (float16/bfloat16, D = 64): 64-row query steps, 128-key blocks -----------------------
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_v2_document_causal_gqa(library, deterministic) -> None:
+    """Documents with causal inside, B = 2 (a per-batch table), GQA 2:1 (the dK/dV block's
+    flattened head sequence), Q_BLOCK 64 x KV_BLOCK 128 (the v2 dK/dV tile), L = S = 192
+    (a ragged last key block)."""
+    B, Hq, Hkv, L = 2, 2, 1, 192
+    bm = _document_causal(B, L, (64, 128))
+    assert (bm.kinds == bmod.EMPTY).any() and (bm.kinds == bmod.PARTIAL).any()
+    kind = "bfloat16" if deterministic else "float16"
+    got, ref, launch = run_flex(library, kind, bm, B=B, Hq=Hq, Hkv=Hkv, L=L, S=L, E=56, Ev=64,
+                                deterministic=deterministic)  # fmt: skip
+    _check(kind, got, ref, launch, "mma2", deterministic)
+
+
+def test_v2_window_global_per_head_empty_head(library) -> None:
+    """A per-head table (sliding windows of different widths, global keys, global queries
+    on odd heads) where heads 0 and 2 of a 4:1 GQA group see none of key block 2: the
+    prologue skips head 0, the prefetch skips head 2 to head 3's first listed step; sinks
+    in the saved LSE."""
+    B, Hq, Hkv, L, S = 1, 4, 1, 128, 384
+    bm = _window_global(Hq, L, S, (64, 128))
+    col = bm.kinds[0, :, :, 2] != bmod.EMPTY  # (heads, query blocks) of key block 2
+    assert col.any(axis=1).tolist() == [False, True, False, True]
+    got, ref, launch = run_flex(library, "float16", bm, B=B, Hq=Hq, Hkv=Hkv, L=L, S=S, E=64,
+                                Ev=64, deterministic=False, sinks=True)  # fmt: skip
+    _check("float16", got, ref, launch, "mma2", False)
+
+
+# -- the CUDA-core kernels (float32/float64, D = 32: 64-key blocks, 32-row steps) -------------
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_simt_prefix_lm_lengths(library, deterministic) -> None:
+    """Prefix-LM per batch with q_lengths/kv_lengths (ragged last blocks, rows past the
+    length), Q_BLOCK 32 x KV_BLOCK 64."""
+    B, Hq, Hkv, L, S = 2, 2, 2, 100, 150
+    bm = _prefix_lm(B, L, S, (32, 64))
+    got, ref, launch = run_flex(library, "float32", bm, B=B, Hq=Hq, Hkv=Hkv, L=L, S=S, E=24,
+                                Ev=32, deterministic=deterministic, q_lens=(100, 61),
+                                k_lens=(150, 97))  # fmt: skip
+    _check("float32", got, ref, launch, "simt", deterministic)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_simt_f64_window_global_sinks(library, deterministic) -> None:
+    """Sliding windows per head + global tokens, causal on top, sinks, GQA 3:1, float64
+    (bits at a block size that is not a multiple of 32 keys: KV_BLOCK 64, Q_BLOCK 32)."""
+    B, Hq, Hkv, L, S = 1, 3, 1, 90, 120
+    bm = _window_global(Hq, L, S, (32, 64))
+    got, ref, launch = run_flex(library, "float64", bm, B=B, Hq=Hq, Hkv=Hkv, L=L, S=S, E=32,
+                                Ev=24, deterministic=deterministic, sinks=True,
+                                causal=True)  # fmt: skip
+    _check("float64", got, ref, launch, "simt", deterministic)
+
+
+# -- host glue --------------------------------------------------------------------------------
+def test_flex_plan_and_variants() -> None:
+    assert flex_plan("float16", 64, 64, "v1").dkdv.startswith("aa_bwd_dkdv_mma2<")  # v1 -> v2
+    assert flex_plan("float16", 64, 64, "v3").dkdv.startswith("aa_bwd_dkdv_mma2<")  # v3 -> v2
+    assert flex_plan("float16", 60, 60, "v2") is None  # E not a multiple of 8: v1's tc only
+    assert flex_plan("bfloat16", 200, 200).dq.startswith("aa_bwd_dq_simt<AaBF16,")
+    names = kb.COMPILE_VARIANTS[kb.SOURCE]
+    for kind, d in (("float16", 64), ("float16", 128), ("float32", 256), ("float64", 128)):
+        p = flex_plan(kind, d, d)
+        assert p.dkdv in names and p.dq in names
+    assert not any(n.endswith("true>") for n in kb.COMPILE_VARIANTS[kb.SOURCE_V3])
+
+
+def test_declines_and_fused_routing(monkeypatch) -> None:
+    """Opt-in: without ARRAYATTN_FLEX_BWD_KERNELS the kernels decline flex calls and
+    FusedAttention.backward runs the array-API backward; with it, the kernels take block
+    masks (not score_mod, not block sizes their tiles do not divide)."""
+    from arrayattn.attention.cuda import fused
+    from arrayattn.attention.spec import make_spec
+    from arrayattn.flex import causal_mask, softcap_score_mod
+
+    def spec(bm=None, score_mod=None, d=64, dtype=np.float16):
+        q = np.zeros((1, 2, 256, d), dtype)
+        return make_spec(q, q, q, None, 0.0, False, None, False, "top_left", None, None, None,
+                         block_mask=bm, score_mod=score_mod)  # fmt: skip
+
+    monkeypatch.setattr(kb, "is_cupy", lambda xp: True)
+    monkeypatch.setattr(kb, "compute_capability", lambda spec: 90)
+    bm = create_block_mask(causal_mask, None, None, 256, 256)
+    monkeypatch.delenv(kb.FLEX_ENV, raising=False)
+    assert kb.FLEX_ENV in kb.declines(spec(bm))
+    monkeypatch.setenv(kb.FLEX_ENV, "1")
+    assert kb.declines(spec(bm)) is None
+    assert kb.declines(spec(bm, dtype=np.float32, d=32)) is None
+    assert "score_mod" in kb.declines(spec(bm, score_mod=softcap_score_mod(5.0)))
+    small = create_block_mask(causal_mask, None, None, 256, 256, block_size=(128, 64))
+    assert "multiple of the backward kernels'" in kb.declines(spec(small))  # v2: 128 keys
+    assert kb.declines(spec(small, dtype=np.float32, d=32)) is None  # SIMT: 64 keys
+    assert "no backward kernel" in kb.declines(spec(bm, d=96))  # v1's tensor-core kernels
+
+    calls: list[str] = []
+    monkeypatch.setattr(kb, "backward", lambda *a: calls.append("kernel") or (None,) * 4)
+    monkeypatch.setattr(fused.composed, "backward", lambda *a: calls.append("api") or (None,) * 4)
+    fused.FUSED.backward(spec(bm), *(None,) * 8)
+    monkeypatch.setenv(kb.FLEX_ENV, "0")
+    fused.FUSED.backward(spec(bm), *(None,) * 8)
+    monkeypatch.setenv(kb.FLEX_ENV, "1")
+    fused.FUSED.backward(spec(bm, score_mod=softcap_score_mod(5.0)), *(None,) * 8)
+    assert calls == ["kernel", "api", "api"]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_backward_hook_end_to_end(library, monkeypatch, dtype) -> None:
+    """``backward.backward`` itself (the hook FusedAttention.backward calls) on NumPy arrays
+    standing in for CuPy's, kernels on the emulator: the opt-in, the FLEX plan, the table
+    built and cached on the block mask, a dense bool attn_mask ANDed; vs NumPy float64."""
+    import types
+
+    from arrayattn import scaled_dot_product_attention, vjp
+    from arrayattn.attention.spec import make_spec
+
+    fake = types.ModuleType("cupy")
+    for name in ("zeros", "zeros_like", "empty", "broadcast_to", "ascontiguousarray",
+                 "asarray", "float32", "float64", "uint8", "bool_", "int32"):  # fmt: skip
+        setattr(fake, name, getattr(np, name))
+    fake.ndarray = type("ndarray", (), {})  # (no NumPy array is one: NumPy paths serve them)
+    fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(kb, "is_cupy", lambda xp: True)
+    monkeypatch.setattr(kb, "compute_capability", lambda spec: 90)
+    launch = emu.Launcher(library)
+    monkeypatch.setattr(kb, "_cupy_launch", launch)
+    monkeypatch.setenv(kb.FLEX_ENV, "1")
+    B, Hq, Hkv, L, S = 2, 2, 1, 128, 256
+    d = 64 if dtype == np.float16 else 32
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal(sh).astype(dtype) for sh in
+               ((B, Hq, L, d), (B, Hkv, S, d), (B, Hkv, S, d)))  # fmt: skip
+    g = rng.standard_normal((B, Hq, L, d)).astype(dtype)
+    mask = rng.random((L, S)) < 0.8
+    bm = _prefix_lm(B, L, S, (64, 128))
+    x64 = [a.astype(np.float64) for a in (q, k, v)]
+    out, pb = vjp(scaled_dot_product_attention, *x64, mask, enable_gqa=True, block_mask=bm,
+                  implementation="composed")  # fmt: skip
+    want = pb(g.astype(np.float64))[:3]
+    lse = scaled_dot_product_attention(
+        *x64, mask, enable_gqa=True, block_mask=bm, implementation="composed", return_lse=True
+    )[1]
+    spec = make_spec(q, k, v, mask, 0.0, False, None, True, "top_left", None, None, None,
+                     block_mask=bm)  # fmt: skip
+    assert kb.declines(spec) is None, kb.declines(spec)
+    acc = np.float32
+    got = kb.backward(spec, q, k, v, mask, out.astype(dtype), lse.astype(acc), g, None)
+    names = [n for n, *_ in launch.launches]
+    assert any(n.startswith("aa_bwd_dkdv_") and n.endswith(", true>") for n in names), names
+    assert len(bm._tables) == 1
+    tol = 2e-2 if dtype == np.float16 else 2e-5
+    for name, a, r in zip(("dq", "dk", "dv"), got[:3], want, strict=True):
+        err = float(np.linalg.norm(a.astype(np.float64) - r) / np.linalg.norm(r))
+        assert err <= tol, (name, err)
+
+
+# -- ThreadSanitizer: the v2 FLEX kernels' list walk and prefetch ----------------------------
+def _tsan_case(lib: Path) -> int:
+    """The child's work: the v2 GQA window case (a head skipped by the prefetch), atomic
+    dQ; exit 1 when a gradient is off."""
+    B, Hq, Hkv, L, S = 1, 2, 1, 128, 256  # key block 1: head 0 empty, head 1 listed
+    bm = _window_global(Hq, L, S, (64, 128))
+    got, ref, launch = run_flex(emu.load(lib), "float16", bm, B=B, Hq=Hq, Hkv=Hkv, L=L, S=S,
+                                E=64, Ev=64, deterministic=True)  # fmt: skip
+    _check("float16", got, ref, launch, "mma2", True)
+    return 0
+
+
+def test_v2_flex_has_no_data_race(tmp_path: Path) -> None:
+    tsan = pytest.importorskip("_tsan")
+    if emu.compiler() is None or emu.cuda_include() is None:
+        pytest.skip("g++ and the CUDA headers are needed for the host emulator")
+    libtsan = tsan.libtsan(emu.compiler() or "g++")
+    if libtsan is None:
+        pytest.skip("no libtsan for this compiler")
+    error = tsan.python_fails_with(libtsan)
+    if error is not None:
+        pytest.skip(f"ThreadSanitizer does not run here: {error}")
+    lib = emu.compile_library(_names((("float16", 64),)), tmp_path, tsan.FLAGS)
+    env = dict(os.environ, LD_PRELOAD=libtsan, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    env.pop("AA_EMU_EAGER", None)
+    env.pop(tsan.SKIP_BARRIER, None)
+    res = subprocess.run([sys.executable, __file__, str(lib)], capture_output=True, text=True,
+                         env=env, timeout=600)  # fmt: skip
+    assert tsan.REPORT not in res.stderr, res.stderr[:6000]
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+
+
+if __name__ == "__main__":
+    sys.exit(_tsan_case(Path(sys.argv[1])))
