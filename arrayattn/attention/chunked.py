@@ -387,6 +387,7 @@ class _Rows:
                 q_scaled=True,
                 scratch=self.s_scratch,
                 check_mod=check_mod,
+                need_chain=False,
             )
             if edges:
                 self._mask_edges(s, r0, r1, c0, c1)
@@ -644,6 +645,7 @@ def _row_totals(
             cols,
             check_structure=not inside,
             check_mod=check_mod,
+            need_chain=False,
         )
         p = composed.probabilities_from_lse(spec, s, lse_blk, overwrite=True)
         part = xp.sum(p, axis=-1, keepdims=True)

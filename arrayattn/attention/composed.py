@@ -147,11 +147,7 @@ def flex_runs(
     if bm is None:
         return [(c0, c1, True)]
     batches = None if spec.batch_ids is None else list(spec.batch_ids)
-    heads = (
-        None
-        if (spec.head0 == 0 and bm.kinds.shape[1] in (1, spec.Hq))
-        else slice(spec.head0, spec.head0 + spec.Hq)
-    )
+    heads = slice(spec.head0, spec.head0 + spec.Hq)  # (a broadcast head axis ignores it)
     runs = key_runs(
         bm, batches, heads, r0 + spec.row0, r1 + spec.row0, c0 + spec.col0, c1 + spec.col0
     )
@@ -228,12 +224,13 @@ def scores_block(
     q_scaled: bool = False,
     scratch: Array | None = None,
     check_mod: bool = True,
+    need_chain: bool = True,
 ) -> tuple[Array, Array | None]:
     """Final masked scores ``(..., l, s)`` in the compute dtype for a block, and the
     derivative of the final scores with respect to the scaled scores where it is not 1
     (the softcap's ``1 - tanh^2`` times a score_mod's derivative; kept for the backward),
     or ``None``. With ``scratch`` (a ``_backend.workspace``) the scores may live in it:
-    valid until its next use.
+    valid until its next use. ``need_chain=False`` (a forward) skips the derivative.
 
     ``qg``/``kg`` are in the compute dtype; ``mask_g`` is the user's mask for the block
     in the grouped layout (bool or float), ``rows``/``cols`` the block's int32 indices;
@@ -249,12 +246,15 @@ def scores_block(
     if spec.softcap is not None:
         tanh = xp.tanh(s / spec.softcap)
         s = tanh * spec.softcap
-        chain = 1.0 - tanh * tanh
+        if need_chain:
+            chain = 1.0 - tanh * tanh
     if spec.alibi_g is not None:
         s = s + alibi_bias(spec, rows, cols)
     if spec.score_mod is not None:
         idx = flex_indices(spec, rows, cols)
-        d_mod = spec.score_mod.grad(s, *idx) if spec.score_mod.differentiable else None
+        d_mod = None
+        if need_chain and spec.score_mod.differentiable:
+            d_mod = spec.score_mod.grad(s, *idx)
         s = xp.astype(spec.score_mod(s, *idx), spec.cdtype, copy=False)
         if d_mod is not None:
             chain = d_mod if chain is None else chain * d_mod
@@ -755,6 +755,7 @@ def forward(
                 check_structure=check_structure,
                 q_scaled=True,
                 check_mod=check_mod,
+                need_chain=False,
             )
             parts.append((p0, p1, rows, cols, s))
         m = None
@@ -956,6 +957,7 @@ def score_mod_param_grads(
                 s, _ = scores_block(
                     spec, q_b, kg[..., p0:p1, :], mask_block(mask_g, r0, r1, p0, p1), rows,
                     cols, check_structure=check_structure, check_mod=check_mod,
+                    need_chain=False,
                 )  # fmt: skip
                 p = probabilities_from_lse(spec, s, lse_b, overwrite=True)
                 ds, _ = backward_block(spec, p, vc[..., p0:p1, :], do_b, delta_b, dl_b, rows, cols)
