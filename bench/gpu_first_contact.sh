@@ -17,6 +17,8 @@
 #   (also cupy_all: every ops/nn test on CuPy; fwd_mt_ab: forward MT=1 vs MT=2 tiles;
 #   ab_fwd, ab_bwd, ab_decode(_kernels): the v1 and v2 kernel variants one after the other
 #   (ab_bwd: backward v2 and v3);
+#   flex_bench: block masks vs PyTorch flex_attention; SANITIZE_ENV: switches for the
+#   sanitizers only;
 #   host: where a small call's host time goes; RACE_DTYPES: racecheck's dtypes;
 #   WIDE_LENGTHS: bench_wide's lengths; AB_VARIANTS: the variants ab_* compare)
 #
@@ -103,7 +105,9 @@ sanitize() {
     printf '%-14s skipped: compute-sanitizer not found\n' "$name" | tee -a "$status" "$log"
     return 0
   fi
-  stage "$name" "$cap" "$san" --tool "$tool" --print-limit 30 --log-file "$out/$name.txt" \
+  # SANITIZE_ENV: switches for the sanitized run only (e.g. ARRAYATTN_FLEX_BWD_KERNELS=1)
+  # shellcheck disable=SC2086 # a list of NAME=VALUE words
+  stage "$name" "$cap" env ${SANITIZE_ENV:-} "$san" --tool "$tool" --print-limit 30 --log-file "$out/$name.txt" \
     --error-exitcode 3 "$py" bench/gpu_sanitize.py --no-pool "$@"
   [ -f "$out/$name.txt" ] &&
     note "$name: $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$out/$name.txt" | tail -2 | tr '\n' ' ')" &&
@@ -197,6 +201,9 @@ stage ab_fwd 80 ab ARRAYATTN_FWD_VARIANT --dtypes float16 --head-dims 64,128 \
 # backward v3 (aa_bwd_dkdv_mma3) has head dim 64 only: at 128 it runs v2's kernels
 stage ab_bwd 120 ab_bwd ARRAYATTN_BWD_VARIANT --dtypes float16 --head-dims 64,128 --lengths 4096 \
   --backward --reps 15 --out "$out/bench.md"
+# flex_bench: block masks in the kernels (backward kernels opt-in on) against PyTorch's
+# compiled flex_attention on the same mask_mod (issue 32)
+stage flex_bench 120 "$py" bench/gpu_flex_bench.py --out "$out/bench.md"
 stage ab_decode 60 ab ARRAYATTN_DECODE_VARIANT --decode 4096,16384,65536,131072 --reps 30 \
   --out "$out/bench.md"
 stage ab_decode_kernels 40 "$py" bench/gpu_decode_kernels.py --out "$out/bench.md"
