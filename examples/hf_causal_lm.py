@@ -42,7 +42,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -765,13 +765,40 @@ class CausalLM:
             # Gemma's RMSNorm multiplies by (1 + weight): folded in once here.
             return take(name, (lambda w: 1.0 + w) if family == "gemma2" else None)
 
+        def stacked(names: Sequence[str]) -> Any:
+            # (out, in) weights stacked by rows, held transposed: the view of a
+            # C-contiguous (in, out) array, so linear's x @ weight.T is one GEMM with a
+            # contiguous right operand (twice as fast as a transposed one for the few
+            # rows of a decoding step). Biases (1-D) are concatenated.
+            parts = [take(n) for n in names]
+            if parts[0].ndim == 1:
+                return parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)
+            rows = [int(a.shape[0]) for a in parts]
+            wt = xp.empty((int(parts[0].shape[1]), sum(rows)), dtype=dtype, device=device)
+            at = 0
+            for a, n in zip(parts, rows, strict=True):
+                wt[:, at : at + n] = xp.matrix_transpose(a)
+                at += n
+            return xp.matrix_transpose(wt)
+
         n_layers = int(config["num_hidden_layers"])
-        attention = [attention_module(config, i) for i in range(n_layers)]
+        # one q/k/v projection (rows [q; k; v]) per layer: one GEMM instead of three
+        attention = [
+            replace(attention_module(config, i), packed_qkv=True) for i in range(n_layers)
+        ]
         layers: list[dict[str, Any]] = []
         for i, mha in enumerate(attention):
             pre = f"model.layers.{i}."
+            sa = pre + "self_attn."
+            attn = {}
+            for n in mha.param_shapes():
+                if n.startswith("qkv_proj."):
+                    kind = n.split(".", 1)[1]
+                    attn[n] = stacked([f"{sa}{w}_proj.{kind}" for w in "qkv"])
+                else:
+                    attn[n] = stacked([sa + n])
             layer: dict[str, Any] = {
-                "attn": {n: take(pre + "self_attn." + n) for n in mha.param_shapes()},
+                "attn": attn,
                 "input_norm": norm_weight(pre + "input_layernorm.weight"),
                 "post_attn_norm": norm_weight(pre + "post_attention_layernorm.weight"),
             }
@@ -786,17 +813,25 @@ class CausalLM:
                 for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
                     layer[n] = take(m + "experts." + n)
             else:
-                for n in ("gate_proj", "up_proj", "down_proj"):
-                    layer[n] = take(f"{pre}mlp.{n}.weight")
-                    b = f"{pre}mlp.{n}.bias"
-                    layer[n + "_b"] = take(b) if config.get("mlp_bias") else None
+                # gate and up as one projection (rows [gate; up]): one GEMM; the two
+                # names stay, as views of its halves
+                m, inter = pre + "mlp.", int(config["intermediate_size"])
+                gu = stacked([m + "gate_proj.weight", m + "up_proj.weight"])
+                layer.update(gate_up=gu, gate_proj=gu[:inter, :], up_proj=gu[inter:, :])
+                layer["down_proj"] = stacked([m + "down_proj.weight"])
+                bias = bool(config.get("mlp_bias"))
+                layer["gate_up_b"] = (
+                    stacked([m + "gate_proj.bias", m + "up_proj.bias"]) if bias else None
+                )
+                layer["down_proj_b"] = take(m + "down_proj.bias") if bias else None
             layers.append(layer)
         params = {
             "embed": take("model.embed_tokens.weight"),
             "norm": norm_weight("model.norm.weight"),
         }
+        # tied embeddings: the one array serves both (held once, in the gather's layout)
         params["lm_head"] = (
-            take("lm_head.weight") if "lm_head.weight" in tensors else params["embed"]
+            stacked(["lm_head.weight"]) if "lm_head.weight" in tensors else params["embed"]
         )
         return cls(config, attention, layers, params, xp)
 
@@ -812,6 +847,24 @@ class CausalLM:
         late = self.family in ("gemma2", "gpt_oss")
         return rms_norm(x, weight, eps, cast_before_weight=not late)
 
+    def _ffn(self, layer: Mapping[str, Any], x: Any, rows: Any = None) -> Any:
+        """``x`` plus the layer's feed-forward half (norms and MLP, token by token), on
+        the rows ``rows`` of ``x`` flattened to ``(B * L, hidden)`` only (the others
+        keep their value) when given."""
+        if rows is None:
+            return x + self._ffn_delta(layer, x)
+        xp = self.xp
+        flat = xp.reshape(x, (-1, int(x.shape[-1])))  # (x is this call's own array)
+        sub = xp.take(flat, rows, axis=0)
+        flat[rows] = sub + self._ffn_delta(layer, sub)
+        return xp.reshape(flat, x.shape)
+
+    def _ffn_delta(self, layer: Mapping[str, Any], x: Any) -> Any:
+        if self.family == "gemma2":
+            h = self._norm(x, layer["pre_ffn_norm"])
+            return self._norm(self._mlp(layer, h), layer["post_ffn_norm"])
+        return self._mlp(layer, self._norm(x, layer["post_attn_norm"]))
+
     def _mlp(self, layer: Mapping[str, Any], x: Any) -> Any:
         if self.family == "gpt_oss":
             return self._moe(layer, x)
@@ -820,9 +873,10 @@ class CausalLM:
         act = _activation(
             self.config.get("hidden_activation") or self.config.get("hidden_act") or default
         )
-        g = linear(x, layer["gate_proj"], layer["gate_proj_b"])
-        u = linear(x, layer["up_proj"], layer["up_proj_b"])
-        return linear(act(g) * u, layer["down_proj"], layer["down_proj_b"])
+        inter = int(self.config["intermediate_size"])
+        gu = linear(x, layer["gate_up"], layer["gate_up_b"])
+        return linear(act(gu[..., :inter]) * gu[..., inter:], layer["down_proj"],
+                      layer["down_proj_b"])  # fmt: skip
 
     def _moe(self, layer: Mapping[str, Any], x: Any) -> Any:
         """gpt-oss's mixture of experts: a router picks ``num_experts_per_tok`` experts
@@ -864,7 +918,8 @@ class CausalLM:
         """Logits ``(B, L, vocab)`` of left-padded ``ids`` ``(B, L)`` (``lengths`` real
         tokens at the end of each row; default all). With ``caches`` (one per layer, from
         :meth:`new_caches`) the tokens are appended to each sequence's cache (prefill or
-        one decoding step). ``last_only`` returns only the last position ``(B, 1, V)``."""
+        one decoding step). ``last_only`` returns only the last position ``(B, 1, V)``.
+        Logits at padded positions mean nothing (the feed-forward halves skip them)."""
         xp, cfg = self.xp, self.config
         ids = xp.asarray(ids)
         L = int(ids.shape[1])
@@ -872,20 +927,26 @@ class CausalLM:
         if self.family == "gemma2":  # scaled by sqrt(hidden) in the model's dtype
             x = x * xp.asarray(math.sqrt(int(cfg["hidden_size"])), dtype=x.dtype)
         kw: dict[str, Any] = {}
+        rows = None
         if lengths is not None and any(int(n) != L for n in lengths):
             kw = {"lengths": [int(n) for n in lengths], "padding_side": "left"}
+            # the per-token half of each layer (norms, MLP) runs on the real tokens only
+            pad = L - np.asarray(kw["lengths"])
+            real = np.arange(L)[None, :] >= pad[:, None]
+            rows = xp.asarray(np.flatnonzero(real), device=aa.device(x))
+        last = len(self.layers) - 1
         for i, (mha, layer) in enumerate(zip(self.attention, self.layers, strict=True)):
             h = self._norm(x, layer["input_norm"])
             cache = None if caches is None else caches[i]
             a = mha(layer["attn"], h, cache=cache, **kw)
             if self.family == "gemma2":
                 x = x + self._norm(a, layer["post_attn_norm"])
-                h = self._norm(x, layer["pre_ffn_norm"])
-                x = x + self._norm(self._mlp(layer, h), layer["post_ffn_norm"])
             else:
                 x = x + a
-                x = x + self._mlp(layer, self._norm(x, layer["post_attn_norm"]))
-        if last_only:
+            if last_only and i == last:  # the logits read the last position only
+                x, rows = x[:, -1:, :], None
+            x = self._ffn(layer, x, rows)
+        if last_only and x.shape[1] != 1:
             x = x[:, -1:, :]
         logits = linear(self._norm(x, self.params["norm"]), self.params["lm_head"])
         cap = cfg.get("final_logit_softcapping") if self.family == "gemma2" else None

@@ -23,6 +23,8 @@ from .._backend import (
     Array,
     Namespace,
     device_of,
+    is_cupy,
+    is_numpy,
     namespace_of,
     require_arrays,
     resolve_namespace,
@@ -411,6 +413,19 @@ class KVCache(SharedState):
             s = starts[0]
             self.keys = self._write(xp, self.keys, key, (slice(None), s, s + l_new))
             self.values = self._write(xp, self.values, value, (slice(None), s, s + l_new))
+        elif (
+            l_new == 1
+            and all(m == 1 for m in n)
+            and (is_numpy(xp) or is_cupy(xp))
+            and self.in_place
+        ):
+            # one token per row at the rows' own positions (decoding prompts of different
+            # lengths): one indexed write per buffer instead of one per row
+            rows = xp.arange(self.batch_size, device=self.device)
+            pos = xp.asarray(starts, dtype=rows.dtype, device=self.device)
+            assert self.keys is not None and self.values is not None  # bound above
+            self.keys[rows, :, pos, :] = key[:, :, 0, :]
+            self.values[rows, :, pos, :] = value[:, :, 0, :]
         else:
             for b, (s, m) in enumerate(zip(starts, n, strict=True)):
                 if m:

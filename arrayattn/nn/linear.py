@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._autodiff import Pullback, register_vjp
-from .._backend import Array, compute_dtype, is_real_floating, namespace_of, prod
+from .._backend import Array, compute_dtype, is_cupy, is_numpy, is_real_floating, namespace_of, prod
 
 __all__ = ["linear"]
 
@@ -45,7 +45,15 @@ def _cast(xp: Any, a: Array, dtype: Any) -> Array:
 
 def _forward(xp: Any, x: Array, weight: Array, bias: Array | None) -> Array:
     cd = compute_dtype(xp, x.dtype)
-    y = xp.matmul(_cast(xp, x, cd), xp.matrix_transpose(_cast(xp, weight, cd)))
+    xc, wt = _cast(xp, x, cd), xp.matrix_transpose(_cast(xp, weight, cd))
+    if x.ndim > 2 and (is_numpy(xp) or is_cupy(xp)):
+        # One (rows, in) @ (in, out) GEMM: a stacked matmul against a 2-D weight runs one
+        # GEMM (or a GEMV, for one token per row while decoding) per leading index.
+        lead = tuple(x.shape[:-1])
+        y = xp.matmul(xp.reshape(xc, (-1, int(x.shape[-1]))), wt)
+        y = xp.reshape(y, (*lead, int(weight.shape[0])))
+    else:
+        y = xp.matmul(xc, wt)
     if bias is not None:
         y = y + _cast(xp, bias, cd)
     return _cast(xp, y, x.dtype)
@@ -57,6 +65,9 @@ def linear(x: Array, weight: Array, bias: Array | None = None) -> Array:
     Shapes: ``x`` ``(..., in_features)``, ``weight`` ``(out_features, in_features)``
     (``nn.Linear`` and Hugging Face checkpoint layout), ``bias`` ``(out_features,)`` or
     ``None`` -> ``(..., out_features)`` in ``x``'s dtype (float16 computes in float32).
+    On NumPy and CuPy the leading dims are flattened into one GEMM; a weight stored
+    transposed (``w = ascontiguousarray(W.T).T``, a view of the layout ``(in, out)``)
+    gives it a contiguous right operand, the faster case for few rows (decoding).
 
     Examples:
         >>> import numpy as np

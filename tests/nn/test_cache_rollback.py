@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import arrayattn.nn.attention.cache as cache_module
+import arrayattn.nn.attention.decode as decode_module
 import arrayattn.nn.paged_kv_cache as paged_module
 from arrayattn.nn import KVCache, MultiHeadAttention, PagedKVCache
 
@@ -226,12 +227,15 @@ def test_a_module_call_interrupted_in_attention_leaves_the_cache_as_it_was(monke
     for c in (cache, ref):
         MHA(P, x, cache=c, lengths=[3, 2])
     before = held(cache)
-    target = (cache_module, "scaled_dot_product_attention") if kind == "contiguous" else (
-        PagedKVCache, "attend"
-    )  # fmt: skip
+    # (a decoding step over a contiguous cache on NumPy runs decode.decode_attention;
+    # the general path, scaled_dot_product_attention, for the rest)
+    targets = [(cache_module, "scaled_dot_product_attention"), (decode_module, "decode_attention")]
+    if kind == "paged":
+        targets = [(PagedKVCache, "attend")]
     for exc in (MemoryError, KeyboardInterrupt):
         with monkeypatch.context() as m:
-            interrupt_after(m, *target, 0, exc)
+            for target in targets:
+                interrupt_after(m, *target, 0, exc)
             with pytest.raises(exc):
                 MHA(P, x[:, :1], cache=cache)
         assert_equal_states(held(cache), before)

@@ -11,6 +11,7 @@ from ...ops.attention import scaled_dot_product_attention
 from ..cascade_cache import CascadeKVCache
 from ..kv_cache import KVCache
 from ..paged_kv_cache import PagedKVCache
+from . import decode
 from .config import AttentionConfig
 
 __all__ = ["new_cache", "new_paged_cache", "cached_attention", "SdpaArgs"]
@@ -109,7 +110,7 @@ def _cached_attention(
     # Check the attention call on views of the final shapes before writing anything.
     kk = xp.broadcast_to(kh[..., :1, :], (B, int(kh.shape[1]), S, int(kh.shape[3])))
     vv = xp.broadcast_to(vh[..., :1, :], (B, int(vh.shape[1]), S, int(vh.shape[3])))
-    make_spec(
+    spec = make_spec(
         qh,
         kk,
         vv,
@@ -160,9 +161,13 @@ def _cached_attention(
             lens.setdefault("kv_lengths", cache.kv_lengths(xp))
         # The ignore: mypy (2.4) maps a *tuple followed by two **dicts onto the tuple's
         # parameters again (so no overload matches); opts and lens hold other keywords.
-        o = scaled_dot_product_attention(  # type: ignore[call-overload]
-            qh, keys, values, *sdpa_args, **opts, implementation=cfg.implementation, **lens
-        )
+        o = None
+        if not cross and decode.takes(spec, cfg.implementation, n_new):
+            o = decode.decode_attention(spec, qh, keys, values, cache.lengths)
+        if o is None:
+            o = scaled_dot_product_attention(  # type: ignore[call-overload]
+                qh, keys, values, *sdpa_args, **opts, implementation=cfg.implementation, **lens
+            )
         return o, keys, lens
     except BaseException:
         cache._restore(snap)
