@@ -6,7 +6,9 @@ A random model of ``--family`` is built by transformers and written with
 ``save_pretrained`` into a temporary directory (nothing is downloaded); both sides load
 it in float32 and generate greedily for the same batch of prompts of different lengths
 (left-padded, with the cache). Each repeat times one side, then the other; the table
-gives the medians, decoded tokens per second and the ratio.
+gives the medians, decoded tokens per second, the spread and the ratio (of the medians,
+and of each back-to-back pair). One thread each: BLAS, PyTorch and arrayattn's own
+attention workers (``ARRAYATTN_NUM_THREADS=1`` unless set).
 
     python bench/hf_causal_lm_bench.py [--family llama --hidden 512 --layers 8
         --heads 8 --kv-heads 2 --vocab 8192 --prompts 16,48,96,128 --new 32 --repeats 3]
@@ -16,7 +18,8 @@ from __future__ import annotations
 
 import os
 
-for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+# one thread each: BLAS, OpenMP and arrayattn's own attention workers
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "ARRAYATTN_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
 import argparse  # noqa: E402
@@ -125,10 +128,18 @@ def main() -> None:
         f"{args.kv_heads}, vocab {args.vocab}, prompts {lengths}, {args.new} new tokens each, "
         f"float32, 1 thread, {args.repeats} repeats interleaved"
     )
-    print(f"{'':28s} {'median s':>9s} {'tokens/s':>9s}")
+    print(f"{'':28s} {'median s':>9s} {'tokens/s':>9s} {'min s':>7s} {'max s':>7s}")
     med = {k: statistics.median(v) for k, v in times.items()}
     for name, m in med.items():
-        print(f"{name:28s} {m:9.3f} {new_tokens / m:9.1f}")
+        print(
+            f"{name:28s} {m:9.3f} {new_tokens / m:9.1f} {min(times[name]):7.3f} "
+            f"{max(times[name]):7.3f}"
+        )
+    ratios = sorted(a / b for a, b in zip(*times.values(), strict=True))
+    print(
+        f"per-repeat time ratios (ours / theirs, each pair run back to back): "
+        f"{', '.join(f'{r:.2f}' for r in ratios)}"
+    )
     ratio = med["arrayattn (NumPy)"] / med[theirs_name]
     print(f"time ratio arrayattn / transformers: {ratio:.2f}; greedy tokens equal: {agree:.0%}")
 

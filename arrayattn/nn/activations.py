@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from .._autodiff import Pullback, register_vjp
 from .._backend import Array, compute_dtype, device_of, full_scalar, is_real_floating, namespace_of
 
@@ -173,8 +175,12 @@ def silu(x: Array) -> Array:
         array([-0.2689,  0.    ,  0.7311])
     """
     xp = _check(x)
-    xc = xp.astype(x, compute_dtype(xp, x.dtype))
-    return xp.astype(xc * _sigmoid(xp, xc), x.dtype)
+    xc = xp.astype(x, compute_dtype(xp, x.dtype), copy=False)
+    # x / (1 + exp(-x)), as PyTorch computes it: three passes. exp(-x) overflows to inf
+    # for very negative x, and x / inf is the limit, -0 (NumPy's warning silenced).
+    with np.errstate(over="ignore"):
+        y = xc / (1.0 + xp.exp(-xc))
+    return xp.astype(y, x.dtype, copy=False)
 
 
 @register_vjp(silu)
@@ -188,7 +194,9 @@ def _silu_vjp(x: Array) -> tuple[Array, Pullback]:
         g = xp.astype(dy, s.dtype) * (s * (1.0 + xc * (1.0 - s)))
         return (xp.astype(g, x.dtype),)
 
-    return xp.astype(xc * s, x.dtype), pullback
+    with np.errstate(over="ignore"):  # the forward's own formula: the same values
+        y = xc / (1.0 + xp.exp(-xc))
+    return xp.astype(y, x.dtype), pullback
 
 
 def _check_cotangent(dy: Array, shape: tuple[int, ...]) -> None:

@@ -59,13 +59,13 @@ def _check_cotangent(dy: Array, shape: tuple[int, ...]) -> None:
 
 def _rms_forward(xp, x, weight, eps, axes, cast_before_weight):
     cd = compute_dtype(xp, x.dtype)
-    xf = xp.astype(x, cd)
+    xf = xp.astype(x, cd, copy=False)  # (never written: no copy in the compute dtype)
     rstd = 1.0 / xp.sqrt(xp.mean(xf * xf, axis=axes, keepdims=True) + eps)
     normed = xf * rstd
     if weight is None:
         y = xp.astype(normed, x.dtype)
     elif cast_before_weight:
-        y = xp.astype(normed, x.dtype) * weight
+        y = xp.astype(normed, x.dtype, copy=False) * weight
     else:
         y = xp.astype(normed * xp.astype(weight, cd), xp.result_type(x.dtype, weight.dtype))
     return y, normed, rstd

@@ -53,8 +53,8 @@ def decode_attention(
     """Attention of ``qh`` ``(B, Hq, 1, E)`` over ``keys``/``values``
     ``(B, Hkv, S, E|Ev)``, row ``b`` over its first ``lengths[b]`` keys (the last one its
     own, bottom-right aligned), as ``(B, Hq, 1, Ev)`` in ``qh``'s dtype; ``None`` when
-    the result holds NaN or Inf (then the general path computes it, and warns as it
-    does)."""
+    the result holds NaN or Inf, from the inputs or from garbage in excluded positions
+    (then the general path computes it, and warns as it does)."""
     with np.errstate(all="ignore"):
         return _attend(spec, qh, keys, values, lengths)
 
@@ -81,10 +81,10 @@ def _attend(
     allowed = j < hi[:, None]
     if st.left >= 0:
         allowed &= j >= (last - st.left)[:, None]
-    v = values
     if not allowed.all():
         s = np.where(allowed[:, None, None, None, :], s, -np.inf)
-        v = np.where(allowed[:, None, :, None], v, 0)  # 0 * garbage is NaN
+    # (NaN or Inf in an excluded value reaches the output as 0 * NaN: the result is then
+    # not finite and the general path, which cleans the values, computes the call)
     m = np.max(s, axis=-1, keepdims=True)
     sink = spec.sinks_g
     if sink is not None:
@@ -93,7 +93,7 @@ def _attend(
     total = np.sum(e, axis=-1, keepdims=True)
     if sink is not None:
         total = total + np.exp(sink - m)
-    out = np.matmul(e[:, :, :, 0, :], v) / total[:, :, :, 0, :]  # (B, Hkv, G, Ev)
+    out = np.matmul(e[:, :, :, 0, :], values) / total[:, :, :, 0, :]  # (B, Hkv, G, Ev)
     if not np.isfinite(out).all():
         return None
     return np.reshape(out.astype(qh.dtype, copy=False), (B, Hkv * G, 1, Ev))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from ..._backend import Array, device_of, lse_dtype
+from ..._backend import Array, device_of, is_cupy, is_numpy, lse_dtype
 from ...ops.rope import mrope_frequencies, multi_axis_rope_frequencies, rope_frequencies
 from .config import AttentionConfig
 
@@ -23,29 +23,73 @@ def layer_rope_frequencies(
 ) -> Array:
     if freqs is not None:
         rot = freqs
-    else:
+    elif positions is None and (is_numpy(xp) or is_cupy(xp)):
+        # From the cache's lengths: every layer of a decoding step asks for the same
+        # factors (layers of one model share their RoPE fields), so the last few are kept
+        # (eager libraries only: a traced JAX array must not outlive its trace).
         L = int(x.shape[-2])
-        real = lse_dtype(xp, x.dtype)
-        dev = device_of(x)
-        seq_len = None
-        if positions is None and starts is not None and len(set(starts)) > 1:
-            # Each sequence continues from its own cached length.
-            pos = xp.asarray([[s + i for i in range(L)] for s in starts], dtype=real, device=dev)
-            seq_len = max(starts) + L
-        elif positions is None or isinstance(positions, numbers.Integral):
-            start = (starts[0] if starts else 0) if positions is None else int(positions)
-            pos = xp.arange(start, start + L, dtype=real, device=dev)
-            seq_len = start + L
-        else:
-            pos = positions
-            if _needs_seq_len(mha):  # HF's max(position_ids) + 1: read from the data
-                seq_len = int(xp.max(positions)) + 1
-        A = mha.rope_position_axes
-        if A is not None and (positions is None or isinstance(positions, numbers.Integral)):
-            pos = xp.stack([pos] * A, axis=-1)  # text tokens: every axis the same
-        rot = _frequencies(mha, pos, real, seq_len)
+        key = (
+            _rope_fields(mha),
+            L,
+            None if starts is None else tuple(starts),
+            str(x.dtype),
+            id(xp),
+            repr(device_of(x)),
+        )
+        rot = _RECENT.get(key)
+        if rot is None:
+            rot = _positions_frequencies(mha, xp, x, positions, starts)
+            if len(_RECENT) >= _RECENT_SIZE:
+                _RECENT.pop(next(iter(_RECENT)), None)
+            _RECENT[key] = rot
+    else:
+        rot = _positions_frequencies(mha, xp, x, positions, starts)
     if rot.ndim == 3:  # (B, L, F) -> (B, 1, L, F): the same positions for every head
         rot = xp.expand_dims(rot, axis=1)
+    return rot
+
+
+_RECENT: dict[tuple[Any, ...], Array] = {}
+_RECENT_SIZE = 8
+
+
+def _rope_fields(mha: AttentionConfig) -> tuple[Any, ...]:
+    """What a layer's RoPE factors depend on besides the positions."""
+    return (
+        mha.dim_per_head,
+        mha.rope_theta,
+        repr(mha.rope_scaling),
+        mha.partial_rotary_factor,
+        mha.max_position_embeddings,
+        mha.rope_axes,
+        mha.mrope_section,
+        mha.rope_position_axes,
+    )
+
+
+def _positions_frequencies(
+    mha: AttentionConfig, xp: Any, x: Array, positions: Any, starts: list[int] | None
+) -> Array:
+    L = int(x.shape[-2])
+    real = lse_dtype(xp, x.dtype)
+    dev = device_of(x)
+    seq_len = None
+    if positions is None and starts is not None and len(set(starts)) > 1:
+        # Each sequence continues from its own cached length.
+        pos = xp.asarray([[s + i for i in range(L)] for s in starts], dtype=real, device=dev)
+        seq_len = max(starts) + L
+    elif positions is None or isinstance(positions, numbers.Integral):
+        start = (starts[0] if starts else 0) if positions is None else int(positions)
+        pos = xp.arange(start, start + L, dtype=real, device=dev)
+        seq_len = start + L
+    else:
+        pos = positions
+        if _needs_seq_len(mha):  # HF's max(position_ids) + 1: read from the data
+            seq_len = int(xp.max(positions)) + 1
+    A = mha.rope_position_axes
+    if A is not None and (positions is None or isinstance(positions, numbers.Integral)):
+        pos = xp.stack([pos] * A, axis=-1)  # text tokens: every axis the same
+    rot = _frequencies(mha, pos, real, seq_len)
     return rot
 
 

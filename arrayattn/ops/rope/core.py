@@ -182,13 +182,13 @@ def _rotate(xp: Any, x: Array, freqs: Array, F: int, layout: str) -> Array:
     D = int(x.shape[-1])
     cdt = xp.complex128 if x.dtype == xp.float64 else xp.complex64
     rdt = xp.float64 if x.dtype == xp.float64 else xp.float32
-    xr = xp.astype(x, rdt)
+    xr = xp.astype(x, rdt, copy=False)  # (read only: no copy in the compute dtype)
     if layout == "interleaved":
         re, im = xr[..., 0 : 2 * F : 2], xr[..., 1 : 2 * F : 2]
     else:
         re, im = xr[..., :F], xr[..., F : 2 * F]
     z = xp.astype(re, cdt) + 1j * xp.astype(im, cdt)
-    w = z * xp.astype(freqs, cdt)
+    w = z * xp.astype(freqs, cdt, copy=False)
     out_re, out_im = xp.real(w), xp.imag(w)
     if layout == "interleaved":
         rotated = xp.reshape(
@@ -201,7 +201,7 @@ def _rotate(xp: Any, x: Array, freqs: Array, F: int, layout: str) -> Array:
         rotated = xp.concat(
             (rotated, xp.broadcast_to(rest, tuple(rotated.shape[:-1]) + (D - 2 * F,))), axis=-1
         )
-    return xp.astype(rotated, x.dtype)
+    return xp.astype(rotated, x.dtype, copy=False)  # (rotated is this call's own)
 
 
 def apply_rope(x: Array, freqs: Array, *, layout: str = "interleaved") -> Array:
