@@ -766,20 +766,11 @@ class CausalLM:
             return take(name, (lambda w: 1.0 + w) if family == "gemma2" else None)
 
         def stacked(names: Sequence[str]) -> Any:
-            # (out, in) weights stacked by rows, held transposed: the view of a
-            # C-contiguous (in, out) array, so linear's x @ weight.T is one GEMM with a
-            # contiguous right operand (twice as fast as a transposed one for the few
-            # rows of a decoding step). Biases (1-D) are concatenated.
+            # (out, in) weights stacked by rows (biases concatenated): one GEMM for
+            # several projections, each weight contiguous in its (out, in) layout, the
+            # one linear's few-rows product (a decoding step) reads fastest
             parts = [take(n) for n in names]
-            if parts[0].ndim == 1:
-                return parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)
-            rows = [int(a.shape[0]) for a in parts]
-            wt = xp.empty((int(parts[0].shape[1]), sum(rows)), dtype=dtype, device=device)
-            at = 0
-            for a, n in zip(parts, rows, strict=True):
-                wt[:, at : at + n] = xp.matrix_transpose(a)
-                at += n
-            return xp.matrix_transpose(wt)
+            return parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)
 
         n_layers = int(config["num_hidden_layers"])
         # one q/k/v projection (rows [q; k; v]) per layer: one GEMM instead of three
@@ -796,7 +787,7 @@ class CausalLM:
                     kind = n.split(".", 1)[1]
                     attn[n] = stacked([f"{sa}{w}_proj.{kind}" for w in "qkv"])
                 else:
-                    attn[n] = stacked([sa + n])
+                    attn[n] = take(sa + n)
             layer: dict[str, Any] = {
                 "attn": attn,
                 "input_norm": norm_weight(pre + "input_layernorm.weight"),
@@ -818,7 +809,7 @@ class CausalLM:
                 m, inter = pre + "mlp.", int(config["intermediate_size"])
                 gu = stacked([m + "gate_proj.weight", m + "up_proj.weight"])
                 layer.update(gate_up=gu, gate_proj=gu[:inter, :], up_proj=gu[inter:, :])
-                layer["down_proj"] = stacked([m + "down_proj.weight"])
+                layer["down_proj"] = take(m + "down_proj.weight")
                 bias = bool(config.get("mlp_bias"))
                 layer["gate_up_b"] = (
                     stacked([m + "gate_proj.bias", m + "up_proj.bias"]) if bias else None
@@ -829,9 +820,8 @@ class CausalLM:
             "embed": take("model.embed_tokens.weight"),
             "norm": norm_weight("model.norm.weight"),
         }
-        # tied embeddings: the one array serves both (held once, in the gather's layout)
         params["lm_head"] = (
-            stacked(["lm_head.weight"]) if "lm_head.weight" in tensors else params["embed"]
+            take("lm_head.weight") if "lm_head.weight" in tensors else params["embed"]
         )
         return cls(config, attention, layers, params, xp)
 

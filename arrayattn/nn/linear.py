@@ -43,10 +43,43 @@ def _cast(xp: Any, a: Array, dtype: Any) -> Array:
     return a if a.dtype == dtype else xp.astype(a, dtype)
 
 
+FEW_ROWS = (2, 8)
+"""Row counts (tokens) for which NumPy's product runs over blocks of the weight's rows."""
+
+
+def _few_rows(x2: Any, weight: Any) -> Any:
+    """``x2 @ weight.T`` for a few rows ``x2`` ``(M, in)`` and a C-contiguous NumPy
+    ``weight`` ``(out, in)``, as ``weight[block] @ x2.T`` over blocks of the weight's rows
+    of a few hundred KiB: each block is packed once while it sits in the cache. One GEMM
+    over the whole weight streams and packs it at a far lower rate for so few rows
+    (decoding a batch: 1.5x faster at 2-4 rows, 1.2x at 8, on the weights of an 8-layer
+    model; a single row is a GEMV, and from 16 rows on blocks no longer help)."""
+    import numpy as np
+
+    M = int(x2.shape[0])
+    out_f, in_f = (int(d) for d in weight.shape)
+    block = (512 if M <= 4 else 256) * 1024
+    step = max(16, block // (weight.itemsize * max(in_f, 1)))
+    xt = np.ascontiguousarray(x2.T)
+    out = np.empty((out_f, M), dtype=weight.dtype)
+    for j in range(0, out_f, step):
+        np.matmul(weight[j : j + step], xt, out=out[j : j + step])
+    return np.ascontiguousarray(out.T)
+
+
 def _forward(xp: Any, x: Array, weight: Array, bias: Array | None) -> Array:
     cd = compute_dtype(xp, x.dtype)
     xc, wt = _cast(xp, x, cd), xp.matrix_transpose(_cast(xp, weight, cd))
-    if x.ndim > 2 and (is_numpy(xp) or is_cupy(xp)):
+    rows = prod(x.shape[:-1])
+    if (
+        FEW_ROWS[0] <= rows <= FEW_ROWS[1]
+        and is_numpy(xp)
+        and x.dtype == weight.dtype == cd
+        and weight.flags.c_contiguous
+    ):
+        y = _few_rows(xp.reshape(xc, (rows, int(x.shape[-1]))), weight)
+        y = xp.reshape(y, (*tuple(x.shape[:-1]), int(weight.shape[0])))
+    elif x.ndim > 2 and (is_numpy(xp) or is_cupy(xp)):
         # One (rows, in) @ (in, out) GEMM: a stacked matmul against a 2-D weight runs one
         # GEMM (or a GEMV, for one token per row while decoding) per leading index.
         lead = tuple(x.shape[:-1])
@@ -65,9 +98,9 @@ def linear(x: Array, weight: Array, bias: Array | None = None) -> Array:
     Shapes: ``x`` ``(..., in_features)``, ``weight`` ``(out_features, in_features)``
     (``nn.Linear`` and Hugging Face checkpoint layout), ``bias`` ``(out_features,)`` or
     ``None`` -> ``(..., out_features)`` in ``x``'s dtype (float16 computes in float32).
-    On NumPy and CuPy the leading dims are flattened into one GEMM; a weight stored
-    transposed (``w = ascontiguousarray(W.T).T``, a view of the layout ``(in, out)``)
-    gives it a contiguous right operand, the faster case for few rows (decoding).
+    On NumPy and CuPy the leading dims are flattened into one GEMM; on NumPy, 2 to 8 rows
+    (a decoding step's batch) against a C-contiguous weight run over blocks of the
+    weight's rows (see ``FEW_ROWS``), 1.2-1.5x faster than one GEMM there.
 
     Examples:
         >>> import numpy as np

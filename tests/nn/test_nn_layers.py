@@ -66,6 +66,36 @@ def test_linear_float32_keeps_dtype_and_errors_name_arguments():
         nn.linear(x, np.ones((4, 3), np.float64))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_linear_few_rows_blocks_equal_one_product(dtype, monkeypatch):
+    """2 to 8 rows on NumPy run over blocks of the weight's rows (a decoding step):
+    the same values as one product, for block steps that do and do not divide the rows,
+    leading dims, a bias, and a non-contiguous weight (one product then)."""
+    import importlib
+
+    linear_module = importlib.import_module("arrayattn.nn.linear")
+
+    rng = np.random.default_rng(5)
+    blocked = []
+    real = linear_module._few_rows
+    monkeypatch.setattr(linear_module, "_few_rows", lambda *a: blocked.append(1) or real(*a))
+    for rows, out_f, in_f in ((2, 3000, 64), (4, 5, 7), (8, 1000, 300), (3, 70000, 2)):
+        x = rng.standard_normal((rows, 1, in_f)).astype(dtype)
+        w = rng.standard_normal((out_f, in_f)).astype(dtype)
+        b = rng.standard_normal(out_f).astype(dtype)
+        want = (x.astype(np.float64) @ w.T.astype(np.float64)) + b
+        got = nn.linear(x, w, b)
+        assert got.shape == (rows, 1, out_f) and got.dtype == dtype
+        assert got.flags.c_contiguous
+        tol = 1e-12 if dtype == np.float64 else 2e-5 * math.sqrt(in_f)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    assert len(blocked) == 4
+    w_t = np.asarray(rng.standard_normal((9, 400)).astype(dtype).T.copy().T)  # F-ordered
+    x = rng.standard_normal((4, 400)).astype(dtype)
+    np.testing.assert_allclose(nn.linear(x, w_t), x @ w_t.T, rtol=1e-5)
+    assert len(blocked) == 4  # not blocked: one product
+
+
 def test_embedding_lookup_and_gradient(backend):
     rng = np.random.default_rng(2)
     w = rng.standard_normal((7, 3))
