@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .._autodiff import Pullback, register_vjp
 from .._backend import Array, compute_dtype, is_cupy, is_numpy, is_real_floating, namespace_of, prod
 
@@ -54,8 +56,6 @@ def _few_rows(x2: Any, weight: Any) -> Any:
     over the whole weight streams and packs it at a far lower rate for so few rows
     (decoding a batch: 1.5x faster at 2-4 rows, 1.2x at 8, on the weights of an 8-layer
     model; a single row is a GEMV, and from 16 rows on blocks no longer help)."""
-    import numpy as np
-
     M = int(x2.shape[0])
     out_f, in_f = (int(d) for d in weight.shape)
     block = (512 if M <= 4 else 256) * 1024
