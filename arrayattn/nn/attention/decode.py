@@ -3,14 +3,16 @@ NumPy: one new query per sequence attending to everything its row of the cache h
 
 A decoding step's attention is a few small products (``B x Hq`` rows against at most
 ``max(lengths)`` keys); the general paths (``scaled_dot_product_attention`` with its
-spec, cost model and row blocks) spend ten times its arithmetic on bookkeeping there.
+spec, cost model and row blocks) spend several times its arithmetic on bookkeeping
+there (about 410 us against 60 us at 4 rows x 8 heads over 150 keys).
 :func:`decode_attention` computes the same exact softmax directly, in the order the
 composed path does (query scaled first, softcap, per-row key range, max shift, ``exp``,
-sum, ``P @ V``, normalisation, sinks in the denominator), on the spec the call was
-already checked with. It runs only for calls it covers (see :func:`takes`) and hands
+sum, ``P @ V``, normalisation; sinks join the denominator, where the composed path folds
+them in after normalising: the same within rounding), on the spec the call was already
+checked with. It runs only for calls it covers (see :func:`takes`) and hands
 back ``None`` whenever its output is not finite, so that the general path decides what
-non-finite inputs give (:doc:`semantics`): its answers are the general path's within
-rounding.
+non-finite inputs give (``docs/semantics.md``): its answers are the general path's
+within rounding.
 """
 
 from __future__ import annotations
