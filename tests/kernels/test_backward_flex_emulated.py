@@ -242,6 +242,7 @@ def test_simt_f64_window_global_sinks(library, deterministic) -> None:
 def test_flex_plan_and_variants() -> None:
     assert flex_plan("float16", 64, 64, "v1").dkdv.startswith("aa_bwd_dkdv_mma2<")  # v1 -> v2
     assert flex_plan("float16", 64, 64, "v3").dkdv.startswith("aa_bwd_dkdv_mma2<")  # v3 -> v2
+    assert flex_plan("float16", 128, 128, "v4").dkdv.startswith("aa_bwd_dkdv_mma2<")  # v4 -> v2
     assert flex_plan("float16", 60, 60, "v2") is None  # E not a multiple of 8: v1's tc only
     assert flex_plan("bfloat16", 200, 200).dq.startswith("aa_bwd_dq_simt<AaBF16,")
     names = kb.COMPILE_VARIANTS[kb.SOURCE]
@@ -249,6 +250,7 @@ def test_flex_plan_and_variants() -> None:
         p = flex_plan(kind, d, d)
         assert p.dkdv in names and p.dq in names
     assert not any(n.endswith("true>") for n in kb.COMPILE_VARIANTS[kb.SOURCE_V3])
+    assert not any(n.endswith("true>") for n in kb.COMPILE_VARIANTS[kb.SOURCE_V4])
 
 
 def test_declines_and_fused_routing(monkeypatch) -> None:

@@ -34,7 +34,14 @@ of 8) runs v1's kernels under ``v2`` too (:func:`backward_plan` says which,
 warp's K/V MMA fragments held in registers across the whole query loop, 128-row query
 steps (half the barriers) and a fully unrolled S/dP loop, at padded head dim 64 only (with
 v2's deterministic dQ kernel); elsewhere ``v3`` runs v2's plan (or v1's). Its sums run in
-v2's order: deterministic gradients are v2's bits. See ``bench/BACKWARD_KERNEL_NOTES.md``.
+v2's order: deterministic gradients are v2's bits. ``v4`` (``attn_bwd_v4.cu``:
+``aa_bwd_dkdv_mma4``) tiles every product of the dK/dV kernel two-dimensionally over its 8
+warps as FlashAttention-2's backward does (S^T/dP^T by (keys x queries) warp tiles, P^T and
+dS^T through shared memory, dK/dV by 32-key warp slices, dQ by 32-row warp slices), at
+padded head dims 64 and 128 (float16/bfloat16, ``E``/``Ev`` multiples of 8), every option
+of v2 but block masks (``flex_plan`` gives v2's), with v2's deterministic dQ kernel; its
+dK/dV sums run in v2's order (deterministic gradients are v2's bits); elsewhere ``v4`` runs
+v2's plan (or v1's). See ``bench/BACKWARD_KERNEL_NOTES.md``.
 
 **What runs in the kernels** (:func:`declines` gives the reason for anything else): CuPy
 arrays of float16 and bfloat16 (tensor cores, ``mma.sync`` m16n8k16, head dims up to 128;
@@ -116,6 +123,8 @@ __all__ = [
 SOURCE = "attn_bwd.cu"
 SOURCE_V3 = "attn_bwd_v3.cu"
 """v3's dK/dV kernel (``aa_bwd_dkdv_mma3``); it includes ``attn_bwd.cu``."""
+SOURCE_V4 = "attn_bwd_v4.cu"
+"""v4's dK/dV kernel (``aa_bwd_dkdv_mma4``); it includes ``attn_bwd.cu``."""
 NULL = np.uint64(0)
 """A null pointer argument for the kernels (CuPy passes a numpy scalar by value)."""
 
@@ -128,7 +137,7 @@ _KIND_TYPES = {
 _GRID_YZ_MAX = 65535
 _SIMT_HEAD_DIMS = (32, 64, 128, 256)
 _MMA_HEAD_DIMS = (32, 64, 96, 128)
-VARIANTS = ("v1", "v2", "v3")
+VARIANTS = ("v1", "v2", "v3", "v4")
 """The backward kernel variants ``ARRAYATTN_BWD_VARIANT`` selects (``v2`` the default)."""
 
 DEFAULT_VARIANT = "v2"
@@ -138,6 +147,11 @@ deterministic mode bit-identical over 10 runs) and 1.22-1.66x v1's speed (float1
 L = 4096: D = 128 114 TFLOP/s against 69; PyTorch's flash backend 285)."""
 _V2_HEAD_DIMS = (64, 128)
 _V3_HEAD_DIMS = (64,)
+_V4_HEAD_DIMS = (64, 128)
+_V4_TILES = {64: (128, 128, 4, 32), 128: (64, 128, 4, 16)}
+"""v4's ``aa_bwd_dkdv_mma4`` tiles per head dim: (query rows per step BM, keys per block BN,
+warps along the keys of S^T WK, register sub-step of each warp's queries TQS); the largest
+that compile without spills on sm_90 (D = 64: 253 registers, D = 128: 255)."""
 
 _DETERMINISTIC: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "arrayattn_deterministic",
@@ -292,12 +306,31 @@ def _plan_v3(kind: str, d: int) -> BackwardPlan:
     )
 
 
+def _plan_v4(kind: str, d: int) -> BackwardPlan:
+    """The v4 plan at padded head dim ``d`` (64 or 128): ``aa_bwd_dkdv_mma4`` (FA2's warp
+    tiling, P^T/dS^T through shared memory) and v2's deterministic dQ kernel."""
+    t, _ = _KIND_TYPES[kind]
+    bm, bn, wk, tqs = _V4_TILES[d]
+    pitch = d + 8
+    return dataclasses.replace(
+        _plan_v2(kind, d),
+        dkdv=f"aa_bwd_dkdv_mma4<{t}, {d}, {bm}, {bn}, {wk}, {tqs}>",
+        dkdv_threads=256,
+        dkdv_block_n=bn,
+        dkdv_block_m=bm,
+        # K, V; two stages of Q, dO; P^T, dS^T; two stages of lse2, delta (AaBwdMma4Smem)
+        dkdv_smem=(2 * bn * pitch + 4 * bm * pitch + 2 * bn * (bm + 8)) * 2 + 4 * bm * 4,
+        variant="v4",
+    )
+
+
 def backward_plan(kind: str, e: int, ev: int, variant: str | None = None) -> BackwardPlan | None:
     """The backward kernels for dtype ``kind`` and head dims ``e`` (query/key) and ``ev``
     (value), or ``None`` when no variant holds them (both above 256). ``variant``
-    (``"v1"``/``"v2"``/``"v3"``; ``None``: :func:`bwd_variant`, the environment) picks the
+    (``"v1"``/``"v2"``/``"v3"``/``"v4"``; ``None``: :func:`bwd_variant`, the environment) picks the
     kernels; ``"v2"`` gives v1's plan where v2 has no kernels (see the module docstring),
-    ``"v3"`` gives v2's plan (or v1's) where v3 has none (it has head dim 64 only).
+    ``"v3"`` gives v2's plan (or v1's) where v3 has none (it has head dim 64 only), ``"v4"``
+    likewise (it has head dims 64 and 128).
 
     Examples:
         >>> p = backward_plan("float16", 128, 128, variant="v1")
@@ -311,6 +344,8 @@ def backward_plan(kind: str, e: int, ev: int, variant: str | None = None) -> Bac
         'aa_bwd_dkdv_mma3<AaF16, 64, 8, 128, 32>'
         >>> backward_plan("float16", 128, 128, variant="v3").variant
         'v2'
+        >>> backward_plan("float16", 128, 128, variant="v4").dkdv
+        'aa_bwd_dkdv_mma4<AaF16, 128, 64, 128, 4, 16>'
     """
     if kind not in _KIND_TYPES:
         raise ValueError(f"kind must be one of {tuple(_KIND_TYPES)}, got {kind!r}")
@@ -328,7 +363,9 @@ def backward_plan(kind: str, e: int, ev: int, variant: str | None = None) -> Bac
         aligned = e % 8 == 0 and ev % 8 == 0
         if variant == "v3" and d in _V3_HEAD_DIMS and aligned:
             return _plan_v3(kind, d)
-        if variant in ("v2", "v3") and d in _V2_HEAD_DIMS and aligned:
+        if variant == "v4" and d in _V4_HEAD_DIMS and aligned:
+            return _plan_v4(kind, d)
+        if variant in ("v2", "v3", "v4") and d in _V2_HEAD_DIMS and aligned:
             return _plan_v2(kind, d)
         if d is not None:
             # (warps, query rows per step): the largest tiles that compile without
@@ -396,7 +433,7 @@ def _flexed(name: str) -> str:
 
 def flex_plan(kind: str, e: int, ev: int, variant: str | None = None) -> BackwardPlan | None:
     """The block-mask plan: :func:`backward_plan`'s with the dK/dV and dQ kernels' ``FLEX``
-    instantiations (v3 gives v2's; v1's tensor-core kernels have none: v2's where v2 holds
+    instantiations (v3 and v4 give v2's; v1's tensor-core kernels have none: v2's where v2 holds
     the call, else ``None``).
 
     Examples:
@@ -410,7 +447,7 @@ def flex_plan(kind: str, e: int, ev: int, variant: str | None = None) -> Backwar
     plan = backward_plan(kind, e, ev, variant)
     if plan is None:
         return None
-    if plan.variant == "v3" or (plan.tensor_cores and plan.variant == "v1"):
+    if plan.variant in ("v3", "v4") or (plan.tensor_cores and plan.variant == "v1"):
         plan = backward_plan(kind, e, ev, "v2")
         if plan is None or (plan.tensor_cores and plan.variant != "v2"):
             return None
@@ -432,6 +469,8 @@ def _all_plans() -> list[BackwardPlan]:
             plans.append(_plan_v2(kind, d))
         for d in _V3_HEAD_DIMS:
             plans.append(_plan_v3(kind, d))
+        for d in _V4_HEAD_DIMS:
+            plans.append(_plan_v4(kind, d))
     # block masks: the FLEX instantiations of the CUDA-core and v2 kernels
     for kind in _KIND_TYPES:
         for d in _SIMT_HEAD_DIMS:
@@ -443,19 +482,23 @@ def _all_plans() -> list[BackwardPlan]:
 
 def kernel_file(name: str) -> str:
     """The ``.cu`` file that defines the instantiation ``name`` (``attn_bwd_v3.cu`` for v3's
-    dK/dV kernel, else ``attn_bwd.cu``).
+    dK/dV kernel, ``attn_bwd_v4.cu`` for v4's, else ``attn_bwd.cu``).
 
     Examples:
         >>> kernel_file("aa_bwd_dkdv_mma3<AaF16, 64, 8, 128, 32>")
         'attn_bwd_v3.cu'
         >>> kernel_file("aa_bwd_dq_mma2<AaF16, 64, 4, 64>")
         'attn_bwd.cu'
+        >>> kernel_file("aa_bwd_dkdv_mma4<AaF16, 128, 64, 128, 4, 16>")
+        'attn_bwd_v4.cu'
     """
-    return SOURCE_V3 if name.startswith("aa_bwd_dkdv_mma3<") else SOURCE
+    if name.startswith("aa_bwd_dkdv_mma3<"):
+        return SOURCE_V3
+    return SOURCE_V4 if name.startswith("aa_bwd_dkdv_mma4<") else SOURCE
 
 
 def _variant_names() -> dict[str, list[str]]:
-    names: dict[str, list[str]] = {SOURCE: [], SOURCE_V3: []}
+    names: dict[str, list[str]] = {SOURCE: [], SOURCE_V3: [], SOURCE_V4: []}
     for plan in _all_plans():
         for name in (plan.preprocess, plan.dkdv, plan.dq, plan.convert):
             if name is not None and name not in names[kernel_file(name)]:
