@@ -85,15 +85,16 @@ def test_v4_plan():
 
 # The option matrix in the atomic-dQ mode (v4's own dQ code), split between the two head
 # dims (CI time; each case at one of them): a boolean mask with GQA and top-left causal,
-# sinks with ALiBi and bottom-right lengths (bfloat16), empty rows, dropout with dLSE,
-# bottom-right causal with lengths; a window with softcap (and dropout again) run in the
-# deterministic test below (v4's dK/dV against the reference and v2's bits). Several steps
-# per head (the pipeline, the prefetch across the group's heads) run in the race check
-# below, which also compares with the reference.
+# a window with softcap, sinks with ALiBi and bottom-right lengths (bfloat16), empty rows,
+# dropout with dLSE, bottom-right causal with lengths; the plain path (whole key blocks)
+# and dropout again run in the deterministic test below (v4's dK/dV against the reference
+# and v2's bits). Several steps per head (the pipeline, the prefetch across the group's
+# heads) run in the race check below, which also compares with the reference.
 @pytest.mark.parametrize(
     "kind,d,case",
     [
         ("float16", 64, "bool_mask_gqa"),
+        ("float16", 128, "window_softcap"),
         ("bfloat16", 64, "sinks_alibi"),
         ("float16", 128, "empty_rows"),
         ("float16", 64, "dropout_dlse"),
@@ -110,13 +111,15 @@ def test_v4_matches_reference(library, kind, d, case):
 
 
 # One sequence and one KV head each (CI time: two runs per case), a GQA group of two.
+# v4_bits_plain: one whole key block of 128 (the other cases' blocks are ragged), no
+# option: every step takes the kernel's plain path (no option applies to the whole step).
 BITS_CASES = {
     "v4_bits_dropout": dict(B=1, Hq=2, Hkv=1, dropout_p=0.3, seed=1234, d_lse=True, causal=True),
-    "v4_bits_window_softcap": dict(B=1, Hq=2, Hkv=1, window=(9, 3), softcap=2.5),
+    "v4_bits_plain": dict(B=1, Hq=2, Hkv=1, L=40, S=128),
 }
 
 
-@pytest.mark.parametrize("d,case", [(64, "v4_bits_dropout"), (128, "v4_bits_window_softcap")])
+@pytest.mark.parametrize("d,case", [(64, "v4_bits_dropout"), (128, "v4_bits_plain")])
 def test_v4_is_bitwise_v2_in_deterministic_mode(library, d, case):
     """Deterministic mode: v4's dK/dV kernel beside v2's dQ kernel gives v2's very bits
     (and matches the float64 reference)."""

@@ -157,6 +157,8 @@ aa_bwd_dkdv_mma4(AA_BWD_ARGS(typename AaIO<T>::type, float),
 
             const bool full =
                 aa_block_full(m0, m0 + BM, c0, c0 + BN, seq.offset, left, right, seq.k_len);
+            const bool plain = full && !dropout && !(softcap > 0.f) && mask == nullptr &&
+                               alibi == nullptr;
 
             // ---- S^T and dP^T for this warp's (TK keys x TQ queries), TQS at a time ----
 #pragma unroll 1
@@ -196,32 +198,58 @@ aa_bwd_dkdv_mma4(AA_BWD_ARGS(typename AaIO<T>::type, float),
                 }
 
                 // v2's element code, then P^T / dS^T to shared memory as 16-bit pairs (the
-                // A-fragment values v2 packs in registers).
+                // A-fragment values v2 packs in registers). A block-uniform fast path where
+                // no option applies to this step (every pair allowed, no mask, dropout,
+                // softcap or ALiBi): aa_bwd_element's very operations with its identities
+                // left out (chain = 1, bias = +-0, keep = true), so the same bits.
+                if (plain) {
+#pragma unroll
+                    for (int mi = 0; mi < MK; ++mi)
+#pragma unroll
+                        for (int t = 0; t < TQS / 8; ++t)
+#pragma unroll
+                            for (int r = 0; r < 4; ++r) {
+                                const int qi = q0 + t * 8 + 2 * (lane % 4) + (r % 2);
+                                const float s2 = acc_s[mi][t][r] * scale;
+                                const float p = aa_exp2(s2 * float(AA_LOG2E) - sL[qi]);
+                                acc_p[mi][t][r] = p * (acc_p[mi][t][r] - sD[qi]) * scale;
+                                acc_s[mi][t][r] = p;
+                            }
+                } else {
+#pragma unroll
+                    for (int mi = 0; mi < MK; ++mi) {
+#pragma unroll
+                        for (int t = 0; t < TQS / 8; ++t) {
+#pragma unroll
+                            for (int r = 0; r < 4; ++r) {
+                                const int key = wk * TK + mi * 16 + lane / 4 + 8 * (r / 2);
+                                const int qi = q0 + t * 8 + 2 * (lane % 4) + (r % 2);
+                                const int i = m0 + qi;
+                                const int j = c0 + key;
+                                const bool allowed =
+                                    (full ||
+                                     aa_allowed(i, j, seq.offset, left, right, seq.k_len)) &&
+                                    aa_bwd_mask_ok(mask, m_base, m_sr, m_sc, i, j, L);
+                                bool keep = true;
+                                if (dropout)
+                                    keep = aa_drop_keep(aa_drop_bits_rc(aa_drop_row(drop, i), j),
+                                                        drop_threshold);
+                                float p, ds;
+                                aa_bwd_element<float>(acc_s[mi][t][r], acc_p[mi][t][r], sL[qi],
+                                                      sD[qi], allowed, dropout, keep, scale,
+                                                      softcap, inv_softcap, inv_keep,
+                                                      aa_bwd_alibi(slope, i, j, seq.offset), p,
+                                                      ds);
+                                acc_s[mi][t][r] = p;
+                                acc_p[mi][t][r] = ds;
+                            }
+                        }
+                    }
+                }
 #pragma unroll
                 for (int mi = 0; mi < MK; ++mi) {
 #pragma unroll
                     for (int t = 0; t < TQS / 8; ++t) {
-#pragma unroll
-                        for (int r = 0; r < 4; ++r) {
-                            const int key = wk * TK + mi * 16 + lane / 4 + 8 * (r / 2);
-                            const int qi = q0 + t * 8 + 2 * (lane % 4) + (r % 2);
-                            const int i = m0 + qi;
-                            const int j = c0 + key;
-                            const bool allowed =
-                                (full || aa_allowed(i, j, seq.offset, left, right, seq.k_len)) &&
-                                aa_bwd_mask_ok(mask, m_base, m_sr, m_sc, i, j, L);
-                            bool keep = true;
-                            if (dropout)
-                                keep = aa_drop_keep(aa_drop_bits_rc(aa_drop_row(drop, i), j),
-                                                    drop_threshold);
-                            float p, ds;
-                            aa_bwd_element<float>(acc_s[mi][t][r], acc_p[mi][t][r], sL[qi], sD[qi],
-                                                  allowed, dropout, keep, scale, softcap,
-                                                  inv_softcap, inv_keep,
-                                                  aa_bwd_alibi(slope, i, j, seq.offset), p, ds);
-                            acc_s[mi][t][r] = p;
-                            acc_p[mi][t][r] = ds;
-                        }
                         const int key = wk * TK + mi * 16 + lane / 4;
                         const int qc = q0 + t * 8 + 2 * (lane % 4);
                         *reinterpret_cast<aa_u32*>(sP + key * LDS + qc) =
