@@ -41,7 +41,8 @@ dS^T through shared memory, dK/dV by 32-key warp slices, dQ by 32-row warp slice
 padded head dims 64 and 128 (float16/bfloat16, ``E``/``Ev`` multiples of 8), every option
 of v2 but block masks (``flex_plan`` gives v2's), with v2's deterministic dQ kernel; its
 dK/dV sums run in v2's order (deterministic gradients are v2's bits); elsewhere ``v4`` runs
-v2's plan (or v1's). See ``bench/BACKWARD_KERNEL_NOTES.md``.
+v2's plan (or v1's), as it does on a device whose blocks cannot have its 173-178 KB of
+shared memory (pre-Hopper parts). See ``bench/BACKWARD_KERNEL_NOTES.md``.
 
 **What runs in the kernels** (:func:`declines` gives the reason for anything else): CuPy
 arrays of float16 and bfloat16 (tensor cores, ``mma.sync`` m16n8k16, head dims up to 128;
@@ -782,6 +783,17 @@ def _lengths(spec: AttentionSpec, x: Array | None) -> Array | None:
     return cupy.ascontiguousarray(cupy.asarray(x, dtype=cupy.int32).reshape(spec.batch_size))
 
 
+def _max_smem(device: int) -> int:
+    """The dynamic shared memory a block may opt into on CUDA device ``device`` (bytes)."""
+    import cupy
+
+    try:
+        attrs = cupy.cuda.Device(device).attributes
+        return int(attrs.get("MaxSharedMemoryPerBlockOptin", 227 * 1024))
+    except Exception:  # an attribute this CuPy does not report: assume a Hopper-class part
+        return 227 * 1024
+
+
 def _cupy_launch(
     name: str, grid: tuple[int, int, int], threads: int, smem: int, args: tuple[Any, ...]
 ) -> None:
@@ -828,6 +840,9 @@ def backward(
     if spec.flex:  # declines() checked the block mask, the plan and its tiles
         plan = flex_plan(kind, spec.E, spec.Ev)
     assert plan is not None  # declines() refuses head dims no variant holds
+    if plan.variant == "v4" and plan.dkdv_smem > _max_smem(device_index(spec)):
+        plan = backward_plan(kind, spec.E, spec.Ev, "v2")  # v4's 173-178 KB: Hopper-sized
+        assert plan is not None
     B, Hq, Hkv, L, S, E, Ev = (spec.batch_size, spec.Hq, spec.Hkv, spec.L, spec.S, spec.E, spec.Ev)
     if B == 0 or Hq == 0 or L == 0 or S == 0 or E == 0 and Ev == 0:
         zeros = [
