@@ -34,6 +34,65 @@
 // v2's). No block masks (FLEX): backward.flex_plan gives v2's for v4.
 // =======================================================================================
 
+// ldmatrix from a 32-bit shared-memory byte address (AaS4): the operand addresses are then
+// 32-bit sums of a per-lane base and loop constants, which the compiler folds into the
+// instruction's immediate offset. (Through generic pointers, v2's way, the stage-selected Q
+// and dO tiles cost a 64-bit address computation per ldmatrix: ~6 instructions each.)
+// Under the host emulator an AaS4 is a byte pointer, with the same arithmetic.
+#ifndef AA_BWD_EMULATION
+typedef aa_u32 AaS4;
+AA_BWD_DEV AaS4 aa4_addr(const void* p) { return aa_bwd_smem_u32(p); }
+AA_BWD_DEV void aa4_ldsm(aa_u32 (&r)[4], AaS4 a) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a)
+                 : "memory");
+}
+AA_BWD_DEV void aa4_ldsm_t(aa_u32 (&r)[4], AaS4 a) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a)
+                 : "memory");
+}
+#else
+typedef const unsigned char* AaS4;
+inline AaS4 aa4_addr(const void* p) { return static_cast<AaS4>(p); }
+inline void aa4_ldsm(aa_u32 (&r)[4], AaS4 a) { aa_ldsm_x4(r, a); }
+inline void aa4_ldsm_t(aa_u32 (&r)[4], AaS4 a) { aa_ldsm_x4_t(r, a); }
+#endif
+// One 32-bit store to shared memory at AaS4 a.
+AA_BWD_DEV void aa4_sts(AaS4 a, aa_u32 v) {
+#ifndef AA_BWD_EMULATION
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(v) : "memory");
+#else
+    *reinterpret_cast<aa_u32*>(const_cast<unsigned char*>(a)) = v;
+#endif
+}
+
+// aa_bwd_async_tile16 (rows [row0, row0 + ROWS) x [0, HD) of a (nrows, ncols) matrix into
+// shared memory of pitch HD + 8, zero-filled outside, 16-byte cp.async) with each thread's
+// chunks fixed: column (tid % CH) * 8, rows tid / CH + k * (NT / CH); one address
+// computation per tile instead of one per chunk (v2's loop costs ~30 instructions a chunk).
+template <int HD, int ROWS, int NT>
+AA_BWD_DEV void aa4_async_tile(unsigned short* dst, const unsigned short* src, int row0,
+                               int nrows, int ncols) {
+    constexpr int LDH = HD + 8;
+    constexpr int CH = HD / 8;
+    constexpr int RSTEP = NT / CH;
+    static_assert(NT % CH == 0 && ROWS % RSTEP == 0, "whole chunks per thread");
+    const int r = threadIdx.x / CH;
+    const int c = (threadIdx.x % CH) * 8;
+    const bool cok = c < ncols;
+    const unsigned short* g = src + ((long long)row0 + r) * ncols + c;
+    unsigned short* d = dst + r * LDH + c;
+#pragma unroll
+    for (int k = 0; k < ROWS / RSTEP; ++k) {
+        const bool valid = cok && row0 + r + k * RSTEP < nrows;
+        // An invalid copy reads nothing (zero-fill); its address stays a valid one anyway.
+        aa_bwd_cp16(d + k * RSTEP * LDH, valid ? g + (long long)k * RSTEP * ncols : src, valid);
+    }
+}
+
 // Dynamic shared memory of aa_bwd_dkdv_mma4 (backward.py sizes the launch from the same
 // formula): K, V; two stages of Q, dO; P^T, dS^T; two stages of lse2, delta.
 template <int HD, int BM, int BN>
@@ -89,6 +148,26 @@ aa_bwd_dkdv_mma4(AA_BWD_ARGS(typename AaIO<T>::type, float),
     const int wd = warp / WKV;    //        dims [wd * TD, +TD)
     const int wq3 = warp % WQ3;   // dQ: rows [wq3 * 32, +32)
     const int wd3 = warp / WQ3;   //     dims [wd3 * TD3, +TD3)
+    // Per-lane byte offsets of the ldmatrix operands (16-bit elements: x 2):
+    //   A, row-major [m][k] (K, V, P^T, dS^T): row lane % 16, column 8 * (lane / 16)
+    //   B, stored [n][k] (Q, dO for S^T / dP^T): row lane % 8 + 8 * (lane / 16),
+    //      column 8 * ((lane / 8) % 2)
+    //   .trans, stored [k][n] (dO, Q for dV / dK; K for dQ) and [k][m] (dS^T for dQ): row
+    //      lane % 8 + 8 * ((lane / 8) % 2), column 8 * (lane / 16) / row lane % 8 +
+    //      8 * (lane / 16), column 8 * ((lane / 8) % 2)
+    const int la_r = lane % 16, la_c = 8 * (lane / 16);
+    const int lb_r = lane % 8 + 8 * (lane / 16), lb_c = 8 * ((lane / 8) % 2);
+    const int lt_r = lane % 8 + 8 * ((lane / 8) % 2), lt_c = 8 * (lane / 16);
+    // (sV = sK + BN * LDH, sdS = sP + BN * LDS, sdO = sQ + BM * LDH: constant offsets from
+    // one base each, which keeps registers free)
+    constexpr int OV = 2 * BN * LDH, OS = 2 * BN * LDS, OO = 2 * BM * LDH;
+    const AaS4 aK = aa4_addr(sK) + 2 * ((wk * TK + la_r) * LDH + la_c);  // + OV: V
+    const AaS4 aP = aa4_addr(sP) + 2 * ((wkv * 32 + la_r) * LDS + la_c);  // + OS: dS^T
+    const AaS4 adSq = aa4_addr(sdS) + 2 * (lb_r * LDS + wq3 * 32 + lb_c);
+    const AaS4 aKq = aa4_addr(sK) + 2 * (lt_r * LDH + wd3 * TD3 + lt_c);
+    // this lane's P^T (+ OS: dS^T) pair of an MMA accumulator tile: key lane / 4, query
+    // 2 * (lane % 4)
+    const AaS4 aPs = aa4_addr(sP) + 2 * ((wk * TK + lane / 4) * LDS + 2 * (lane % 4));
     const int c0 = blockIdx.x * BN;
     const int hk = blockIdx.y;
     const int b = blockIdx.z;
@@ -103,12 +182,12 @@ aa_bwd_dkdv_mma4(AA_BWD_ARGS(typename AaIO<T>::type, float),
     const int mfirst = hi > lo ? (lo / BM) * BM : hi;
 
     // Prologue: K, V and the first step's Q, dO, stats in one commit group.
-    aa_bwd_async_tile16<HD, BN, NT>(sK, k + kv_head * S * E, c0, S, E);
-    aa_bwd_async_tile16<HD, BN, NT>(sV, v + kv_head * S * Ev, c0, S, Ev);
+    aa4_async_tile<HD, BN, NT>(sK, k + kv_head * S * E, c0, S, E);
+    aa4_async_tile<HD, BN, NT>(sV, v + kv_head * S * Ev, c0, S, Ev);
     if (mfirst < hi) {
         const long long qh = (long long)b * Hq + hk * G;
-        aa_bwd_async_tile16<HD, BM, NT>(sQ0, q + qh * L * E, mfirst, L, E);
-        aa_bwd_async_tile16<HD, BM, NT>(sdO0, dout + qh * L * Ev, mfirst, L, Ev);
+        aa4_async_tile<HD, BM, NT>(sQ0, q + qh * L * E, mfirst, L, E);
+        aa4_async_tile<HD, BM, NT>(sdO0, dout + qh * L * Ev, mfirst, L, Ev);
         aa_bwd_async_stats<BM, NT>(sL0, sD0, lse2 + qh * L, delta + qh * L, mfirst, seq.q_len);
     }
     aa_bwd_cp_commit();
@@ -141,9 +220,9 @@ aa_bwd_dkdv_mma4(AA_BWD_ARGS(typename AaIO<T>::type, float),
                 if (ng < G) {
                     const long long nqh = (long long)b * Hq + hk * G + ng;
                     const int ns = stage ^ 1;
-                    aa_bwd_async_tile16<HD, BM, NT>(sQ0 + ns * 2 * BM * LDH, q + nqh * L * E,
+                    aa4_async_tile<HD, BM, NT>(sQ0 + ns * 2 * BM * LDH, q + nqh * L * E,
                                                     nm0, L, E);
-                    aa_bwd_async_tile16<HD, BM, NT>(sdO0 + ns * 2 * BM * LDH,
+                    aa4_async_tile<HD, BM, NT>(sdO0 + ns * 2 * BM * LDH,
                                                     dout + nqh * L * Ev, nm0, L, Ev);
                     aa_bwd_async_stats<BM, NT>(sL0 + ns * 2 * BM, sD0 + ns * 2 * BM,
                                                lse2 + nqh * L, delta + nqh * L, nm0, seq.q_len);
@@ -151,7 +230,8 @@ aa_bwd_dkdv_mma4(AA_BWD_ARGS(typename AaIO<T>::type, float),
                 aa_bwd_cp_commit();
             }
             const H* sQ = sQ0 + stage * 2 * BM * LDH;
-            const H* sdO = sdO0 + stage * 2 * BM * LDH;
+            const AaS4 aQb = aa4_addr(sQ) + 2 * (lb_r * LDH + lb_c);  // S^T / dP^T (+ OO: dO)
+            const AaS4 aQt = aa4_addr(sQ) + 2 * (lt_r * LDH + wd * TD + lt_c);  // dK / dV
             const float* sL = sL0 + stage * 2 * BM;
             const float* sD = sD0 + stage * 2 * BM;
 
@@ -176,17 +256,15 @@ aa_bwd_dkdv_mma4(AA_BWD_ARGS(typename AaIO<T>::type, float),
                     aa_u32 bq[TQS / 16][4], bo[TQS / 16][4];
 #pragma unroll
                     for (int j = 0; j < TQS / 16; ++j) {
-                        const int row = q0 + j * 16 + lane % 8 + 8 * (lane / 16);
-                        const int col = kk * 16 + 8 * ((lane / 8) % 2);
-                        aa_ldsm_x4(bq[j], sQ + row * LDH + col);
-                        aa_ldsm_x4(bo[j], sdO + row * LDH + col);
+                        const int off = 2 * ((q0 + j * 16) * LDH + kk * 16);
+                        aa4_ldsm(bq[j], aQb + off);
+                        aa4_ldsm(bo[j], aQb + OO + off);
                     }
 #pragma unroll
                     for (int mi = 0; mi < MK; ++mi) {
-                        const int krow = wk * TK + mi * 16 + lane % 16;
                         aa_u32 ak[4], av[4];
-                        aa_ldsm_x4(ak, sK + krow * LDH + kk * 16 + 8 * (lane / 16));
-                        aa_ldsm_x4(av, sV + krow * LDH + kk * 16 + 8 * (lane / 16));
+                        aa4_ldsm(ak, aK + 2 * (mi * 16 * LDH + kk * 16));
+                        aa4_ldsm(av, aK + OV + 2 * (mi * 16 * LDH + kk * 16));
 #pragma unroll
                         for (int j = 0; j < TQS / 16; ++j) {
                             AaMma<T>::run(acc_s[mi][2 * j], ak, bq[j][0], bq[j][1]);
@@ -250,20 +328,17 @@ aa_bwd_dkdv_mma4(AA_BWD_ARGS(typename AaIO<T>::type, float),
                 for (int mi = 0; mi < MK; ++mi) {
 #pragma unroll
                     for (int t = 0; t < TQS / 8; ++t) {
-                        const int key = wk * TK + mi * 16 + lane / 4;
-                        const int qc = q0 + t * 8 + 2 * (lane % 4);
-                        *reinterpret_cast<aa_u32*>(sP + key * LDS + qc) =
-                            AaMma<T>::pack(acc_s[mi][t][0], acc_s[mi][t][1]);
-                        *reinterpret_cast<aa_u32*>(sP + (key + 8) * LDS + qc) =
-                            AaMma<T>::pack(acc_s[mi][t][2], acc_s[mi][t][3]);
-                        *reinterpret_cast<aa_u32*>(sdS + key * LDS + qc) =
-                            AaMma<T>::pack(acc_p[mi][t][0], acc_p[mi][t][1]);
-                        *reinterpret_cast<aa_u32*>(sdS + (key + 8) * LDS + qc) =
-                            AaMma<T>::pack(acc_p[mi][t][2], acc_p[mi][t][3]);
+                        const int off = 2 * (mi * 16 * LDS + q0 + t * 8);
+                        aa4_sts(aPs + off, AaMma<T>::pack(acc_s[mi][t][0], acc_s[mi][t][1]));
+                        aa4_sts(aPs + off + 2 * 8 * LDS,
+                                AaMma<T>::pack(acc_s[mi][t][2], acc_s[mi][t][3]));
+                        aa4_sts(aPs + OS + off, AaMma<T>::pack(acc_p[mi][t][0], acc_p[mi][t][1]));
+                        aa4_sts(aPs + OS + off + 2 * 8 * LDS,
+                                AaMma<T>::pack(acc_p[mi][t][2], acc_p[mi][t][3]));
                     }
                 }
             }
-            __syncthreads();  // P^T, dS^T complete; their next writers wait at the next step's barrier
+            __syncthreads();  // P^T, dS^T complete; rewritten only after the next step's barrier
 
             // ---- dV += P^T dO, dK += dS^T Q: this warp's 32 keys x TD dims ----
 #pragma unroll 1
@@ -271,17 +346,14 @@ aa_bwd_dkdv_mma4(AA_BWD_ARGS(typename AaIO<T>::type, float),
                 aa_u32 ap[2][4], as[2][4];
 #pragma unroll
                 for (int mi = 0; mi < 2; ++mi) {
-                    const int krow = wkv * 32 + mi * 16 + lane % 16;
-                    aa_ldsm_x4(ap[mi], sP + krow * LDS + kq * 16 + 8 * (lane / 16));
-                    aa_ldsm_x4(as[mi], sdS + krow * LDS + kq * 16 + 8 * (lane / 16));
+                    aa4_ldsm(ap[mi], aP + 2 * (mi * 16 * LDS + kq * 16));
+                    aa4_ldsm(as[mi], aP + OS + 2 * (mi * 16 * LDS + kq * 16));
                 }
-                const int row = kq * 16 + lane % 8 + 8 * ((lane / 8) % 2);
 #pragma unroll
                 for (int dt = 0; dt < TD / 16; ++dt) {
-                    const int col = wd * TD + dt * 16 + 8 * (lane / 16);
                     aa_u32 bo[4], bq[4];
-                    aa_ldsm_x4_t(bo, sdO + row * LDH + col);
-                    aa_ldsm_x4_t(bq, sQ + row * LDH + col);
+                    aa4_ldsm_t(bo, aQt + OO + 2 * (kq * 16 * LDH + dt * 16));
+                    aa4_ldsm_t(bq, aQt + 2 * (kq * 16 * LDH + dt * 16));
 #pragma unroll
                     for (int mi = 0; mi < 2; ++mi) {
                         AaMma<T>::run(acc_v[mi][2 * dt], ap[mi], bo[0], bo[1]);
@@ -306,13 +378,11 @@ aa_bwd_dkdv_mma4(AA_BWD_ARGS(typename AaIO<T>::type, float),
                     aa_u32 a[2][4];
 #pragma unroll
                     for (int mi = 0; mi < 2; ++mi)
-                        aa_ldsm_x4_t(a[mi], sdS + (kc * 16 + lane % 8 + 8 * (lane / 16)) * LDS +
-                                                wq3 * 32 + mi * 16 + 8 * ((lane / 8) % 2));
-                    const int krow = kc * 16 + lane % 8 + 8 * ((lane / 8) % 2);
+                        aa4_ldsm_t(a[mi], adSq + 2 * (kc * 16 * LDS + mi * 16));
 #pragma unroll
                     for (int nt = 0; nt < TD3 / 16; ++nt) {
                         aa_u32 bk[4];
-                        aa_ldsm_x4_t(bk, sK + krow * LDH + wd3 * TD3 + nt * 16 + 8 * (lane / 16));
+                        aa4_ldsm_t(bk, aKq + 2 * (kc * 16 * LDH + nt * 16));
 #pragma unroll
                         for (int mi = 0; mi < 2; ++mi) {
                             AaMma<T>::run(acc_q[mi][2 * nt], a[mi], bk[0], bk[1]);
