@@ -28,10 +28,13 @@
 //   * dQ = dS K (atomic mode): each warp 32 query rows x HD / (8 / (BM / 32)) dims,
 //     added with red.global.add.v2.f32 (as v2).
 // Per step: 2 barriers (the pipeline's, as v2, and P^T/dS^T's); Q, dO, LSE, D through v2's
-// cp.async double buffer. Every dK/dV MMA accumulates in v2's order (query chunks of 16
-// ascending, the GQA group's heads ascending; S^T/dP^T over the head dim ascending) on the
-// same 16-bit operands, so in deterministic mode dK/dV are v2's bits (the dQ kernel is
-// v2's). No block masks (FLEX): backward.flex_plan gives v2's for v4.
+// cp.async double buffer (each thread's chunks fixed: aa4_async_tile). Steps where no option
+// applies (the whole block allowed, no mask, dropout, softcap, ALiBi) take a plain element
+// path; shared-memory operands are addressed by 32-bit offsets (AaS4). Every dK/dV MMA
+// accumulates in v2's order (query chunks of 16 ascending, the GQA group's heads
+// ascending; S^T/dP^T over the head dim ascending) on the same 16-bit operands, so in
+// deterministic mode dK/dV are v2's bits (the dQ kernel is v2's). No block masks (FLEX):
+// backward.flex_plan gives v2's for v4.
 // =======================================================================================
 
 // ldmatrix from a 32-bit shared-memory byte address (AaS4): the operand addresses are then

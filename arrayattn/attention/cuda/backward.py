@@ -152,7 +152,7 @@ _V4_HEAD_DIMS = (64, 128)
 _V4_TILES = {64: (128, 128, 4, 32), 128: (64, 128, 4, 16)}
 """v4's ``aa_bwd_dkdv_mma4`` tiles per head dim: (query rows per step BM, keys per block BN,
 warps along the keys of S^T WK, register sub-step of each warp's queries TQS); the largest
-that compile without spills on sm_90 (D = 64: 253 registers, D = 128: 255)."""
+that compile without spills on sm_90 (D = 64: 248 registers, D = 128: 255)."""
 
 _DETERMINISTIC: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "arrayattn_deterministic",
