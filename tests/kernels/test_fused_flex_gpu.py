@@ -2,10 +2,11 @@
 kernels' block table and partial-block bits (``cuda/flex_table.py``) against the NumPy
 composed path in float64, on v1 (``aa_fwd_tc``, ``aa_fwd_simt``) and v2 (``aa_fwd_tc2``);
 that ``"auto"`` takes the fused path and which kernel ran (a spy on the loader); ``vjp``
-(fused forward, array-API backward from the kernel's LSE) against NumPy; and a timing
-print of block mask vs dense mask on a packed 8-document batch (not asserted); and the
-backward kernels' block-mask instantiations (opt-in ``ARRAYATTN_FLEX_BWD_KERNELS=1``:
-v2 and the CUDA-core kernels, both dQ modes; a spy checks they ran) against NumPy float64.
+with the backward kernels opted out (``ARRAYATTN_FLEX_BWD_KERNELS=0``: fused forward,
+array-API backward from the kernel's LSE) against NumPy; a timing print of block mask vs
+dense mask on a packed 8-document batch (not asserted); and the backward kernels'
+block-mask instantiations (the default since they ran on an H100: v2 and the CUDA-core
+kernels, both dQ modes; a spy checks they ran) against NumPy float64.
 Skips cleanly without CuPy or without a CUDA device.
 
     python -m pytest tests/kernels/test_fused_flex_gpu.py -q -s
@@ -182,9 +183,10 @@ def test_auto_takes_the_fused_path(launched) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_vjp_fused_forward_array_api_backward(dtype, launched, monkeypatch) -> None:
-    """vjp with a block mask: the fused forward kernel (spy), the array-API backward from
-    its LSE (the backward kernels are never called), gradients against NumPy float64."""
-    monkeypatch.delenv(kernels_backward.FLEX_ENV, raising=False)  # the default: not opted in
+    """vjp with a block mask, the backward kernels opted out: the fused forward kernel
+    (spy), the array-API backward from its LSE (the backward kernels are never called),
+    gradients against NumPy float64."""
+    monkeypatch.setenv(kernels_backward.FLEX_ENV, "0")  # opted out of the backward kernels
     bwd_calls: list[int] = []
     real_bwd = kernels_backward.backward
     monkeypatch.setattr(
@@ -235,11 +237,11 @@ _GRAD_TOL = {"float16": 2e-2, "float32": 4e-5}  # (the emulated tests' bounds)
 @pytest.mark.parametrize("case,dtype,deterministic", _BWD_RUNS)
 def test_backward_kernels_with_block_masks(case, dtype, deterministic, launched,
                                            monkeypatch) -> None:  # fmt: skip
-    """ARRAYATTN_FLEX_BWD_KERNELS=1: vjp with a block mask runs the backward kernels' FLEX
-    instantiations (spy: the dK/dV kernel, and the dQ kernel in deterministic mode, with
-    the last template argument ``true``); out, dq, dk, dv against NumPy float64 (the
-    composed path on the same rounded inputs)."""
-    monkeypatch.setenv(kernels_backward.FLEX_ENV, "1")
+    """By default (ARRAYATTN_FLEX_BWD_KERNELS unset) vjp with a block mask runs the
+    backward kernels' FLEX instantiations (spy: the dK/dV kernel, and the dQ kernel in
+    deterministic mode, with the last template argument ``true``); out, dq, dk, dv
+    against NumPy float64 (the composed path on the same rounded inputs)."""
+    monkeypatch.delenv(kernels_backward.FLEX_ENV, raising=False)
     B, Hq, Hkv, L, S, extra = _CASES[case]
     E = 64
     rng = np.random.default_rng(abs(hash((case, dtype))) % 2**32)

@@ -28,9 +28,10 @@ What runs in the kernel (``attn_fwd.cu``) and what does not:
   path runs them): ``score_mod``, a plain mask_mod function without a block mask, block
   sizes the kernel's tiles do not divide (``Q_BLOCK % BM``, ``KV_BLOCK % BN``; the
   default 128 fits every kernel), non-CuPy arrays, blocks of a larger call. The decode
-  kernels decline them; the backward of such a call is the array-API backward on the
-  kernel's LSE, or, with ``ARRAYATTN_FLEX_BWD_KERNELS=1`` (opt-in until run on a GPU), the
-  backward kernels' block-mask instantiations where ``backward.declines`` takes the call.
+  kernels decline them; the backward of such a call is the backward kernels' block-mask
+  instantiations where ``backward.declines`` takes the call (``ARRAYATTN_FLEX_BWD_KERNELS=0``
+  opts out), else the array-API backward on the
+  kernel's LSE.
 * Fallback rule (``declines``): the kernel declines non-CuPy arrays, other dtypes, head
   dims above 256, 16-bit dtypes on devices older than sm_80, and batch or head counts
   above 65535 (grid limits). ``implementation="auto"`` then moves on to the next path;
@@ -308,8 +309,8 @@ class FusedAttention:
         JAX GPU arrays through the DLPack bridge (``_bridge.py``)."""
         args = (spec, query, key, value, attn_mask, out, lse, d_out, d_lse)
         if spec.flex:
-            # Block masks reach the backward kernels only as an opt-in
-            # (ARRAYATTN_FLEX_BWD_KERNELS=1, backward.flex_declines); else array-API backward.
+            # Block masks reach the backward kernels unless opted out
+            # (ARRAYATTN_FLEX_BWD_KERNELS=0, backward.flex_declines); else array-API backward.
             if kernels_backward.flex_kernels_enabled() and kernels_backward.declines(spec) is None:
                 return kernels_backward.backward(*args)
             if chunked.score_matrix_bytes(spec) > AUTO_CHUNK_BYTES:
