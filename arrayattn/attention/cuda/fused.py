@@ -167,7 +167,7 @@ def _launch(spec: AttentionSpec, kind: str, d: int, mask_kind: Any) -> ForwardLa
     launch = forward_launch(*args)
     if (
         spec.block_mask is not None
-        and launch.variant == "v2"
+        and launch.variant in ("v2", "v3")
         and flex_table.tiles_fit(spec.block_mask, launch.config.block_m, launch.config.block_n)
     ):
         launch = forward_launch(*args, variant="v1")
@@ -228,11 +228,12 @@ class FusedAttention:
             return decode.forward(spec, query, key, value, poison=POISON_OUTPUTS)
 
         dropout = spec.dropout_p > 0.0
-        tc = kind in ("float16", "bfloat16")
+        # 16-byte row loads: the 16-bit kernels and aa_fwd_tf32 (v3 float32)
         # ARRAYATTN_FWD_VARIANT (tiles.forward_variant): v2 unless v1 is asked for or v2
         # declines the call (tiles.v2_declines lists what stays on v1).
         launch = _launch(spec, kind, d, None if attn_mask is None else spec.mask_kind)
         cfg = launch.config
+        tc = kind in ("float16", "bfloat16") or launch.variant == "v3"
         # A block mask: its table on this device (built once, cached on the BlockMask).
         flex: Any = np.uint64(0)
         if spec.block_mask is not None:
