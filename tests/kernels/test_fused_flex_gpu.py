@@ -91,14 +91,17 @@ _CASES = {
 
 
 # (case, dtype, forward variant, head dim): every case on every kernel family at D = 64
-# (v2 aa_fwd_tc2, v1 aa_fwd_tc, aa_fwd_simt float and double), and v2 at D = 128 (v1 with
-# the dense bool mask there), one NVRTC compile per kernel variant.
+# (v2 aa_fwd_tc2, v1 aa_fwd_tc, aa_fwd_simt float and double, v3 aa_fwd_tf32), and v2 and
+# v3 at D = 128 (v1 with the dense bool mask there in float16), one NVRTC compile per
+# kernel variant.
 _RUNS = [
     (case, dtype, variant, 64)
     for case in _CASES
     for dtype, variant in (("float16", "v2"), ("float16", "v1"), ("float32", "v1"),
-                           ("float64", "v1"))
-] + [(case, "float16", "v2", 128) for case in ("document", "window_global")]  # fmt: skip
+                           ("float64", "v1"), ("float32", "v3"))
+] + [(case, "float16", "v2", 128) for case in ("document", "window_global")] + [
+    (case, "float32", "v3", 128) for case in ("document", "window_global")
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("case,dtype,variant,E", _RUNS)
@@ -143,6 +146,8 @@ def test_block_mask_matches_numpy(case, dtype, variant, E, launched, monkeypatch
     ), launched
     if variant == "v2" and (E == 64 or "attn_mask" not in opts):  # (v2: dense masks at 64)
         assert all(n.startswith("aa_fwd_tc2<") for n in launched), launched
+    if variant == "v3":  # float32 on tensor cores, every mask kind
+        assert all(n.startswith("aa_fwd_tf32<") for n in launched), launched
     assert len(bm._tables) == 1  # the table was built once, on this device
     out_np = cp.asnumpy(out).astype(np.float64)
     lse_np = cp.asnumpy(lse).astype(np.float64)

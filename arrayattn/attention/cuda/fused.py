@@ -10,9 +10,12 @@ What runs in the kernel (``attn_fwd.cu``) and what does not:
   the seed-defined dropout, ``return_lse``, dense bool and float ``attn_mask`` of any
   broadcastable shape (read in the kernel through element strides; a float mask is first
   cast to the kernel's accumulation dtype, a copy of the mask's own, unbroadcast shape).
-* Forward kernel variant: ``ARRAYATTN_FWD_VARIANT`` = ``v2`` (default: ``aa_fwd_tc2``,
-  16-bit dtypes at D = 64/128, 1.25-1.36x v1 on an H200; ``tiles.forward_launch`` picks
-  the kernel and ``tiles.v2_declines`` says which calls stay on v1) or ``v1``.
+* Forward kernel variant: ``ARRAYATTN_FWD_VARIANT`` = ``v3`` (the default: ``aa_fwd_tc2``
+  for 16-bit dtypes at D = 64/128, 1.25-1.36x v1 on an H200, and ``aa_fwd_tf32`` for
+  float32 at D = 64/128, three TF32 products per product, 2.1-2.3x the CUDA-core kernel
+  on an H100), ``v2`` (float32 on CUDA cores) or ``v1``; ``tiles.forward_launch`` picks
+  the kernel, ``tiles.v2_declines`` and ``tiles.tf32_declines`` say which calls stay on
+  v1.
 * Decode-shaped calls (``L <= 16`` query rows over ``S >= 128`` keys, no mask, no
   dropout) run the split-KV decode kernels of ``decode.py`` instead of the prefill kernel.
 * ``sinks`` (folded into each row's denominator at the end of the online softmax) and
@@ -228,11 +231,11 @@ class FusedAttention:
             return decode.forward(spec, query, key, value, poison=POISON_OUTPUTS)
 
         dropout = spec.dropout_p > 0.0
-        # 16-byte row loads: the 16-bit kernels and aa_fwd_tf32 (v3 float32)
-        # ARRAYATTN_FWD_VARIANT (tiles.forward_variant): v2 unless v1 is asked for or v2
-        # declines the call (tiles.v2_declines lists what stays on v1).
+        # ARRAYATTN_FWD_VARIANT (tiles.forward_variant): v3 unless v1/v2 is asked for or
+        # it declines the call (tiles.v2_declines and tf32_declines list what stays on v1).
         launch = _launch(spec, kind, d, None if attn_mask is None else spec.mask_kind)
         cfg = launch.config
+        # 16-byte row loads: the 16-bit kernels and aa_fwd_tf32 (v3 float32)
         tc = kind in ("float16", "bfloat16") or launch.variant == "v3"
         # A block mask: its table on this device (built once, cached on the BlockMask).
         flex: Any = np.uint64(0)

@@ -203,9 +203,9 @@ def forward_kernel_name(
 FWD_VARIANTS = ("v1", "v2", "v3")
 """Forward kernel variants: ``v1`` (``aa_fwd_tc`` / ``aa_fwd_simt``), ``v2`` (the default,
 ``aa_fwd_tc2``: 128 x 64 tiles, one barrier per key tile, the scale folded into the exp2
-FMA, the O rescale skipped when no row max grew; 16-bit kinds only) and ``v3`` (v2, and
-float32 on tensor cores through ``aa_fwd_tf32``: three TF32 products per product;
-prepared on the CPU, selectable for A/B timing until a GPU has measured it)."""
+FMA, the O rescale skipped when no row max grew; 16-bit kinds only) and ``v3`` (the
+default: v2, and float32 on tensor cores through ``aa_fwd_tf32``, three TF32 products
+per product)."""
 
 V2_HEAD_DIMS = (64, 128)
 """Head dims ``aa_fwd_tc2`` is instantiated for. D = 32, 96 and 256 stay on v1: at D = 96
@@ -229,11 +229,14 @@ class ForwardLaunch:
     variant: str
 
 
-DEFAULT_FWD_VARIANT = "v2"
-"""The forward variant when ``ARRAYATTN_FWD_VARIANT`` is unset: ``v2``, since it ran on an
-NVIDIA H200 (2026-11-26, 08:13 UTC) correct in every GPU test and 1.25-1.36x v1's speed
-(float16 forward, D = 64/128, L = 2048/8192: 0.94-1.03x PyTorch's flash backend, v1
-0.69-0.76x). ``v1`` stays selectable (and runs whatever v2 declines)."""
+DEFAULT_FWD_VARIANT = "v3"
+"""The forward variant when ``ARRAYATTN_FWD_VARIANT`` is unset: ``v3`` (v2's kernels for
+16-bit kinds, ``aa_fwd_tf32`` for float32), since it ran on an NVIDIA H100 (2026-11-26,
+14:00 UTC) correct in every float32 GPU test, 1.0-1.7e-6 from float64 up to L = 32768,
+and 2.1-2.3x the CUDA-core kernel (1.10-1.56x PyTorch's float32 SDPA). v2 became the
+16-bit default after an NVIDIA H200 run (08:13 UTC: 1.25-1.36x v1, 0.94-1.03x PyTorch's
+flash backend). ``v1`` and ``v2`` stay selectable (and v1 runs whatever v2 and v3
+decline)."""
 
 
 def forward_variant() -> str:
