@@ -254,9 +254,9 @@ def test_flex_plan_and_variants() -> None:
 
 
 def test_declines_and_fused_routing(monkeypatch) -> None:
-    """Opt-in: without ARRAYATTN_FLEX_BWD_KERNELS the kernels decline flex calls and
-    FusedAttention.backward runs the array-API backward; with it, the kernels take block
-    masks (not score_mod, not block sizes their tiles do not divide)."""
+    """ARRAYATTN_FLEX_BWD_KERNELS=0 opts out: the kernels decline flex calls and
+    FusedAttention.backward runs the array-API backward; by default (unset) and with 1, the
+    kernels take block masks (not score_mod, not block sizes their tiles do not divide)."""
     from arrayattn.attention.cuda import fused
     from arrayattn.attention.spec import make_spec
     from arrayattn.flex import causal_mask, softcap_score_mod
@@ -269,8 +269,10 @@ def test_declines_and_fused_routing(monkeypatch) -> None:
     monkeypatch.setattr(kb, "is_cupy", lambda xp: True)
     monkeypatch.setattr(kb, "compute_capability", lambda spec: 90)
     bm = create_block_mask(causal_mask, None, None, 256, 256)
-    monkeypatch.delenv(kb.FLEX_ENV, raising=False)
+    monkeypatch.setenv(kb.FLEX_ENV, "0")
     assert kb.FLEX_ENV in kb.declines(spec(bm))
+    monkeypatch.delenv(kb.FLEX_ENV, raising=False)  # the default: the kernels take them
+    assert kb.declines(spec(bm)) is None
     monkeypatch.setenv(kb.FLEX_ENV, "1")
     assert kb.declines(spec(bm)) is None
     assert kb.declines(spec(bm, dtype=np.float32, d=32)) is None

@@ -57,16 +57,17 @@ after the kernels), ALiBi slopes (the bias recomputed per element from indices),
 ``attn_mask`` (additive bias) declines: its gradient is a
 dense ``L x S`` array, which the array-API backward computes.
 
-**Block masks** (``arrayattn.flex``; opt-in until they have run on a GPU:
-``ARRAYATTN_FLEX_BWD_KERNELS=1``, read at each call by :func:`flex_kernels_enabled`;
-unset, ``FusedAttention.backward`` runs the array-API backward for every flex call): the
+**Block masks** (``arrayattn.flex``; on by default since they ran on an H100 on
+2026-11-26; ``ARRAYATTN_FLEX_BWD_KERNELS=0``, read at each call by
+:func:`flex_kernels_enabled`, sends every flex call's backward to the array-API backward
+instead): the
 instantiations with a last template argument ``true`` (:func:`flex_plan`) read the block
 table of ``flex_table.py`` (cached on the ``BlockMask``, shared with the forward): the dQ
 kernel walks per query block the forward's list of non-empty key blocks, the dK/dV kernel
 per key block the transposed list (the non-empty query blocks), and partial blocks' bits
 are ANDed where the dense bool mask is. v2's kernels (float16/bfloat16 at head dims 64 and
 128) and the CUDA-core kernels (float32/float64, and 16-bit at head dim 256) have them,
-deterministic mode included; v3 runs v2's, v1's tensor-core kernels decline (the array-API
+deterministic mode included; v3 and v4 run v2's, v1's tensor-core kernels decline (the array-API
 backward runs those calls). No score_mod (declined), and each kernel tile must lie inside
 one mask block (``flex_table.backward_tiles_fit``).
 """
@@ -422,10 +423,10 @@ FLEX_ENV = "ARRAYATTN_FLEX_BWD_KERNELS"
 
 
 def flex_kernels_enabled() -> bool:
-    """Whether ``ARRAYATTN_FLEX_BWD_KERNELS`` is ``1``/``true``/``yes`` (read at each call):
-    block-mask backwards then run in the kernels (:func:`flex_plan`); otherwise the
-    array-API backward runs them (the default, until the kernels have run on a GPU)."""
-    return os.environ.get(FLEX_ENV, "").strip().lower() in ("1", "true", "yes")
+    """Whether block-mask backwards may run in the kernels (:func:`flex_plan`): yes unless
+    ``ARRAYATTN_FLEX_BWD_KERNELS`` is ``0``/``false``/``no`` (read at each call; the opt-out
+    sends them to the array-API backward, as before they had run on a GPU)."""
+    return os.environ.get(FLEX_ENV, "").strip().lower() not in ("0", "false", "no")
 
 
 def _flexed(name: str) -> str:
@@ -721,8 +722,7 @@ def flex_declines(spec: AttentionSpec) -> str | None:
     the module docstring, "Block masks")."""
     if not flex_kernels_enabled():
         return (
-            f"block masks reach the backward kernels only with {FLEX_ENV}=1 (opt-in until "
-            "they have run on a GPU)"
+            f"{FLEX_ENV}=0 sends block-mask backwards to the array-API backward"
         )
     if spec.score_mod is not None:
         return "score_mod is not in the backward kernels (the array-API backward runs it)"
