@@ -312,9 +312,9 @@ def test_variant_switch_reads_the_environment(monkeypatch):
     from arrayattn.attention.cuda import backward as bwd
 
     monkeypatch.delenv("ARRAYATTN_BWD_VARIANT", raising=False)
-    assert bwd.bwd_variant() == bwd.DEFAULT_VARIANT == "v2"  # measured faster on an H200
-    assert bwd.backward_plan("float16", 128, 128).variant == "v2"
-    for raw, want in (("", "v2"), ("v1", "v1"), ("v2", "v2"), (" V2 ", "v2"), ("V1", "v1"),
+    assert bwd.bwd_variant() == bwd.DEFAULT_VARIANT == "v4"  # measured faster on an H100
+    assert bwd.backward_plan("float16", 128, 128).variant == "v4"
+    for raw, want in (("", "v4"), ("v1", "v1"), ("v2", "v2"), (" V2 ", "v2"), ("V1", "v1"),
                       ("v3", "v3"), ("V3 ", "v3"), ("v4", "v4"), (" V4", "v4")):  # fmt: skip
         monkeypatch.setenv("ARRAYATTN_BWD_VARIANT", raw)
         assert bwd.bwd_variant() == want

@@ -327,9 +327,10 @@ def test_declines_and_routes(fake_cupy, monkeypatch) -> None:
     assert "flex" in decode.declines(dec, False)
 
 
-def test_backward_goes_to_the_array_api_path(fake_cupy, monkeypatch) -> None:
-    """The backward kernels do not read block masks: FusedAttention.backward takes the
-    array-API backward for flex calls, whatever backward.declines says."""
+def test_backward_routing_of_block_masks(fake_cupy, monkeypatch) -> None:
+    """FusedAttention.backward sends a block-mask call to the backward kernels where
+    backward.declines takes it (the default since they ran on a GPU), and to the
+    array-API backward with ARRAYATTN_FLEX_BWD_KERNELS=0, whatever declines says."""
     from arrayattn.attention.cuda import backward as kernels_backward
     from arrayattn.flex import causal_mask
 
@@ -340,5 +341,8 @@ def test_backward_goes_to_the_array_api_path(fake_cupy, monkeypatch) -> None:
         fused.composed, "backward", lambda *a: calls.append("composed") or (None,) * 4
     )
     spec = _spec(create_block_mask(causal_mask, None, None, 256, 256))
+    monkeypatch.delenv(kernels_backward.FLEX_ENV, raising=False)
     fused.FUSED.backward(spec, *(None,) * 8)
-    assert calls == ["composed"]
+    monkeypatch.setenv(kernels_backward.FLEX_ENV, "0")
+    fused.FUSED.backward(spec, *(None,) * 8)
+    assert calls == ["kernel", "composed"]

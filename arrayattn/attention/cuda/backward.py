@@ -23,7 +23,7 @@ score matrices, else composed) from the same saved LSE. Three steps on the GPU:
 :func:`backward` also takes ``deterministic=`` per call.
 
 **Kernel variants** (``ARRAYATTN_BWD_VARIANT``, read at each call by :func:`bwd_variant`):
-``v1`` the kernels described above; ``v2`` (the default, :data:`DEFAULT_VARIANT`) the same
+``v1`` the kernels described above; ``v2`` the same
 tensor-core kernels with a cp.async pipeline (``aa_bwd_dkdv_mma2`` / ``aa_bwd_dq_mma2``:
 Q/dO/LSE/D, or K/V for the deterministic dQ, double-buffered, one barrier per step opening
 it, 64-row query steps run as register sub-steps). v2 covers float16/bfloat16 at the padded
@@ -140,13 +140,18 @@ _GRID_YZ_MAX = 65535
 _SIMT_HEAD_DIMS = (32, 64, 128, 256)
 _MMA_HEAD_DIMS = (32, 64, 96, 128)
 VARIANTS = ("v1", "v2", "v3", "v4")
-"""The backward kernel variants ``ARRAYATTN_BWD_VARIANT`` selects (``v2`` the default)."""
+"""The backward kernel variants ``ARRAYATTN_BWD_VARIANT`` selects (``v4`` the default)."""
 
-DEFAULT_VARIANT = "v2"
-"""The kernels when ``ARRAYATTN_BWD_VARIANT`` is unset: ``v2``, since it ran on an NVIDIA
-H200 (2026-11-26, 08:31 UTC) correct in every GPU backward test (both variants, the
-deterministic mode bit-identical over 10 runs) and 1.22-1.66x v1's speed (float16,
-L = 4096: D = 128 114 TFLOP/s against 69; PyTorch's flash backend 285)."""
+DEFAULT_VARIANT = "v4"
+"""The kernels when ``ARRAYATTN_BWD_VARIANT`` is unset: ``v4``, since it ran on an NVIDIA
+H100 (2026-11-26, 14:23 UTC) correct in every v4 GPU backward test (36: gradients against
+float64, deterministic mode bit-identical, dK/dV equal to v2's bits), under
+compute-sanitizer's memcheck and racecheck, and through ``arrayattn.torch`` on CUDA
+tensors (28 gradient tests), at 2.3-3.0x v2's speed (float16, L = 4096, non-deterministic
+dQ: 185-231 TFLOP/s against 72-119; 0.78-0.85x PyTorch's flash backend). v4 runs v2's
+plan where it does not serve a call (block masks, devices without its shared memory,
+other dtypes and head dims). v2 became the default after an NVIDIA H200 run (08:31 UTC,
+1.22-1.66x v1)."""
 _V2_HEAD_DIMS = (64, 128)
 _V3_HEAD_DIMS = (64,)
 _V4_HEAD_DIMS = (64, 128)
