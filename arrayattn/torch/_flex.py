@@ -96,8 +96,8 @@ def prepare_flex(
         if obj is None:
             continue
         if name == "score_mod":
-            smod = as_score_mod(obj)
-            exclude = tuple(smod.params) if smod.rebindable else ()
+            given = as_score_mod(obj)
+            exclude = tuple(given.params) if given.rebindable else ()
         libs = held_libraries(obj, exclude)
         other = libs - {"numpy", "torch"}
         if other:

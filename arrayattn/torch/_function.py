@@ -116,8 +116,8 @@ class AttentionFunction(torch.autograd.Function):
         if any(needs[5:]):
             # The score_mod's parameters (a bias table): one deterministic pass over the
             # scores, the same on every implementation (as in arrayattn.vjp).
-            arrays = map(a.to_backend, (query, key, value, attn_mask, out, lse))
-            got = _composed.score_mod_param_grads(plan.spec, *arrays, do, dl)
+            qb, kb, vb, mb, ob, lb = map(a.to_backend, (query, key, value, attn_mask, out, lse))
+            got = _composed.score_mod_param_grads(plan.spec, qb, kb, vb, mb, ob, lb, do, dl)
             d_params = [
                 a.to_torch(g, p) if need else None
                 for g, p, need in zip(got, score_params, needs[5:], strict=True)
