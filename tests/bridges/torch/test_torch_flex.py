@@ -47,11 +47,18 @@ IDS_T = torch.from_numpy(IDS)
 
 
 def t5_bucket(rel: torch.Tensor, num_buckets: int = 32, max_distance: int = 128):
-    from transformers.models.t5.modeling_t5 import T5Attention
-
-    return T5Attention._relative_position_bucket(
-        rel, bidirectional=True, num_buckets=num_buckets, max_distance=max_distance
-    )
+    """T5's bidirectional bucket in torch, as Hugging Face's
+    ``T5Attention._relative_position_bucket`` writes it (tests/ops/test_flex_peers.py
+    checks ours against that function itself)."""
+    n = num_buckets // 2
+    buckets = (rel > 0).to(torch.long) * n
+    rel = torch.abs(rel)
+    exact = n // 2
+    large = exact + (
+        torch.log(rel.float() / exact) / math.log(max_distance / exact) * (n - exact)
+    ).to(torch.long)
+    large = torch.min(large, torch.full_like(large, n - 1))
+    return buckets + torch.where(rel < exact, rel, large)
 
 
 def dense(q, k, v, mask_fn, score_fn):
