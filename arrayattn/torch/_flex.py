@@ -67,7 +67,18 @@ def prepare_flex(
     query: torch.Tensor, block_mask: Any, mask_mod: Any, score_mod: Any
 ) -> Flex | None:
     """Check the structured options of a call on ``query``'s device and decide where it
-    runs (see the module); ``None`` when none is given."""
+    runs (see the module); ``None`` when none is given.
+
+    Examples:
+        >>> import torch
+        >>> from arrayattn.flex import create_block_mask, causal_mask
+        >>> q = torch.ones(1, 2, 8, 4)
+        >>> prepare_flex(q, create_block_mask(causal_mask, None, None, 8, 8), None, None).numpy
+        True
+        >>> prepare_flex(q, create_block_mask(causal_mask, None, None, 8, 8, xp=torch),
+        ...              None, None).numpy
+        False
+    """
     if block_mask is None and mask_mod is None and score_mod is None:
         return None
     if block_mask is not None and not isinstance(block_mask, BlockMask):
@@ -90,6 +101,7 @@ def prepare_flex(
         need[lib] = f"block_mask was built for {lib}"
     mod = None if mask_mod is None else as_mask_mod(mask_mod)
     for name, obj, exclude in (
+        ("block_mask's mask_mod", None if block_mask is None else block_mask.mask_mod, ()),
         ("mask_mod", mod, ()),
         ("score_mod", score_mod, ()),
     ):

@@ -258,6 +258,10 @@ def test_errors_name_the_argument_and_what_is_expected() -> None:
     with pytest.raises(TypeError, match=r"need two libraries.*built for numpy.*holds torch"):
         SDPA(q, k, v, enable_gqa=True, block_mask=bm, score_mod=flex.alibi_score_mod(
             torch.ones(HQ, dtype=torch.float64)))  # fmt: skip
+    # A NumPy block mask whose mask_mod holds torch ids (classified from their NumPy copy).
+    torch_ids = flex.create_block_mask(flex.document_mask(IDS_T[:, :L], IDS_T), B, None, L, S)
+    with pytest.raises(TypeError, match=r"built for numpy, but block_mask's mask_mod .* torch"):
+        SDPA(q, k, v, enable_gqa=True, block_mask=torch_ids)
     # Params: torch tensors on query's device.
     with pytest.raises(TypeError, match=r"params\[0\] must be a torch.Tensor.*numpy.ndarray"):
         SDPA(q, k, v, enable_gqa=True, score_mod=flex.relative_position_bias(np.zeros((32, HQ))))
