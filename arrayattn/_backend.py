@@ -163,7 +163,7 @@ def scatter_add(
         out = out.astype(values.dtype, copy=False)
     else:
         n = int(index.shape[0])
-        dev = values.device
+        dev = device_of(values)  # (a JAX tracer under vmap has no .device)
         slots = xp.arange(size, dtype=index.dtype, device=dev)
         chunk = max(1, _SCATTER_ELEMENTS // max(1, size))
         out = xp.zeros((size,), dtype=values.dtype, device=dev)

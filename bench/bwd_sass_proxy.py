@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Register, shared-memory and SASS proxies of the backward kernels, without a GPU.
 
-Compiles each named instantiation of ``attn_bwd.cu`` / ``attn_bwd_v3.cu`` with NVRTC exactly as
+Compiles each named instantiation of ``attn_bwd.cu`` / ``attn_bwd_v3.cu`` / ``attn_bwd_v4.cu``
+with NVRTC exactly as
 ``cupy.RawModule`` does (``_loader.COMPILE_OPTIONS``, the loader's inlined source) for
 ``sm_90`` to a cubin, then reads it with ``cuobjdump -res-usage`` (registers, stack, local
 memory) and ``nvdisasm`` (SASS). Per kernel it prints: registers, spill instructions
@@ -12,7 +13,7 @@ BAR, MUFU, RED and of all instructions per HMMA. No timing: these are proxies.
 
 Usage (``cuobjdump``/``nvdisasm`` from PATH or ``--cuobjdump``/``--nvdisasm``)::
 
-    python bench/bwd_sass_proxy.py --variants v2,v3 --head-dims 64,128
+    python bench/bwd_sass_proxy.py --variants v2,v3,v4 --head-dims 64,128
 """
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ from _nvrtc import find_nvrtc  # noqa: E402
 from arrayattn.attention.cuda import _loader, backward  # noqa: E402
 
 
-def cubin(lib: ctypes.CDLL, names: list[str]) -> tuple[bytes, dict[str, str]]:
+def cubin(lib: ctypes.CDLL, names: list[str], source: str) -> tuple[bytes, dict[str, str]]:
     prog = ctypes.c_void_p()
-    # attn_bwd_v3.cu includes attn_bwd.cu: every backward kernel in one program
-    src = _loader.kernel_source(backward.SOURCE_V3).encode()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"attn_bwd_v3.cu", 0, None, None) == 0
+    # attn_bwd_v3.cu and attn_bwd_v4.cu include attn_bwd.cu
+    src = _loader.kernel_source(source).encode()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, source.encode(), 0, None, None) == 0
     for n in names:
         assert lib.nvrtcAddNameExpression(prog, n.encode()) == 0
     opts = [o.encode() for o in _loader.COMPILE_OPTIONS] + [b"-arch=sm_90"]
@@ -135,14 +136,24 @@ def main() -> int:
                                     (plan.dq, plan.dq_threads, plan.dq_smem)):  # fmt: skip
                 rows.append((var, d, name, thr, smem))
     names = sorted({r[2] for r in rows})
-    blob, lowered = cubin(lib, names)
+    # one program per file: v4's dK/dV kernel from attn_bwd_v4.cu, the rest from v3's file
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        v4 = backward.kernel_file(n) == backward.SOURCE_V4
+        src = backward.SOURCE_V4 if v4 else backward.SOURCE_V3
+        groups.setdefault(src, []).append(n)
+    lowered: dict[str, str] = {}
+    res = sass = ""
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "bwd.cubin"
-        path.write_bytes(blob)
-        res = subprocess.run([a.cuobjdump, "-res-usage", str(path)], capture_output=True,
-                             text=True, check=True).stdout  # fmt: skip
-        sass = subprocess.run([a.nvdisasm, "-c", str(path)], capture_output=True, text=True,
-                              check=True).stdout  # fmt: skip
+        for src, group in groups.items():
+            blob, low = cubin(lib, group, src)
+            lowered.update(low)
+            path = Path(tmp) / f"{src}.cubin"
+            path.write_bytes(blob)
+            res += subprocess.run([a.cuobjdump, "-res-usage", str(path)], capture_output=True,
+                                  text=True, check=True).stdout  # fmt: skip
+            sass += subprocess.run([a.nvdisasm, "-c", str(path)], capture_output=True,
+                                   text=True, check=True).stdout  # fmt: skip
     regs = {}
     for fn, r in re.findall(r"Function (\S+):\s*\n\s*REG:(\d+)", res):
         regs[fn] = int(r)

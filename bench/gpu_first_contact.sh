@@ -16,8 +16,10 @@
 #   STAGES=env,tiny_gpt,decode bash bench/gpu_first_contact.sh second   # any stages
 #   (also cupy_all: every ops/nn test on CuPy; fwd_mt_ab: forward MT=1 vs MT=2 tiles;
 #   ab_fwd, ab_bwd, ab_decode(_kernels): the v1 and v2 kernel variants one after the other
-#   (ab_bwd: backward v2 and v3);
-#   flex_bench: block masks vs PyTorch flex_attention; SANITIZE_ENV: switches for the
+#   (ab_bwd: backward v2 and v4, or AB_VARIANTS; ab_fwd_f32: float32 forward v2 (CUDA
+#   cores) and v3 (TF32x3));
+#   flex_bench: block masks vs PyTorch flex_attention; f32_accuracy: float32 forward v2/v3
+#   against float64; SANITIZE_ENV: switches for the
 #   sanitizers only;
 #   host: where a small call's host time goes; RACE_DTYPES: racecheck's dtypes;
 #   WIDE_LENGTHS: bench_wide's lengths; AB_VARIANTS: the variants ab_* compare)
@@ -194,11 +196,18 @@ ab() { # ab SWITCH ARGS...: gpu_bench.py with SWITCH=each of AB_VARIANTS (defaul
   done
 }
 export -f ab
-ab_bwd() { AB_VARIANTS="v2 v3" ab "$@"; } # the backward: v2 (the default) against v3
+# the backward: v2 (the default) against v4 (AB_VARIANTS="v2 v3 v4" adds v3)
+ab_bwd() { AB_VARIANTS="${AB_VARIANTS:-v2 v4}" ab "$@"; }
 export -f ab_bwd
 stage ab_fwd 80 ab ARRAYATTN_FWD_VARIANT --dtypes float16 --head-dims 64,128 \
   --lengths 2048,8192 --reps 15 --out "$out/bench.md"
-# backward v3 (aa_bwd_dkdv_mma3) has head dim 64 only: at 128 it runs v2's kernels
+# float32: v2 (aa_fwd_simt, CUDA cores) against v3 (aa_fwd_tf32, three TF32 products)
+ab_fwd_f32() { AB_VARIANTS="v2 v3" ab "$@"; }
+export -f ab_fwd_f32
+stage ab_fwd_f32 90 ab_fwd_f32 ARRAYATTN_FWD_VARIANT --dtypes float32 --head-dims 64,128 \
+  --lengths 2048,8192 --reps 9 --out "$out/bench.md"
+stage f32_accuracy 60 "$py" bench/gpu_f32_accuracy.py --out "$out/bench.md"
+# backward v4 (aa_bwd_dkdv_mma4) at head dims 64 and 128; v3 (AB_VARIANTS) has 64 only
 stage ab_bwd 120 ab_bwd ARRAYATTN_BWD_VARIANT --dtypes float16 --head-dims 64,128 --lengths 4096 \
   --backward --reps 15 --out "$out/bench.md"
 # flex_bench: block masks in the kernels (backward kernels opt-in on) against PyTorch's

@@ -53,12 +53,17 @@ def _forward_variants() -> list[Variant]:
     for name, kind, d, mt in mod.forward_variants():
         cfg = tile_config(kind, d, mt)
         out.append(Variant("attn_fwd.cu", name, cfg.threads, cfg.smem_bytes))
-    # v2 (aa_fwd_tc2, ARRAYATTN_FWD_VARIANT=v2): AaTc2Cfg<D>, D is the second template argument
-    from arrayattn.attention.cuda.tiles import COMPILE_VARIANTS, tile_config_v2
+    # v2 (aa_fwd_tc2, ARRAYATTN_FWD_VARIANT=v2): AaTc2Cfg<D>, D is the second template
+    # argument; v3's aa_fwd_tf32: AaTf32Cfg<D>, D the first
+    from arrayattn.attention.cuda.tiles import COMPILE_VARIANTS, tile_config_tf32, tile_config_v2
 
     for source, names in COMPILE_VARIANTS.items():
         for name in names:
-            cfg = tile_config_v2(int(name.split("<")[1].split(",")[1]))
+            args = name.split("<")[1].split(",")
+            if name.startswith("aa_fwd_tf32<"):
+                cfg = tile_config_tf32(int(args[0]))
+            else:
+                cfg = tile_config_v2(int(args[1]))
             out.append(Variant(source, name, cfg.threads, cfg.smem_bytes))
     return out
 

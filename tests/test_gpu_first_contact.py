@@ -84,3 +84,21 @@ def test_rerun_and_unknown_plans(tmp_path):
     assert list(_status(out)) == ["env", "smoke"]
     bad = subprocess.run(["bash", str(SCRIPT), "everything"], capture_output=True, text=True)
     assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+def test_variant_list_builds_without_a_gpu() -> None:
+    """``bench/gpu_variants.py``'s list (what the ``variants`` stage loads) builds on the
+    CPU: every compile-list name with its launch shape (a name it cannot parse failed the
+    stage on a GPU once, costing its device time)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_variants
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    from arrayattn.attention.cuda.tiles import COMPILE_VARIANTS
+
+    names = {v.name: v for v in gpu_variants.all_variants()}
+    for listed in COMPILE_VARIANTS.values():
+        for name in listed:
+            assert name in names and names[name].threads > 0 and names[name].smem > 0, name
+    assert names["aa_fwd_tf32<128, false, 0, false>"].smem == 101376

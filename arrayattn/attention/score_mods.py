@@ -46,6 +46,12 @@ class ScoreMod:
             contributions to each parameter's gradient, given the gradient ``d_score``
             of the modified scores (shaped like the block).
         name: shown in errors and reprs.
+        rebuild: ``rebuild(params) -> ScoreMod``: the same score_mod over other arrays
+            for its ``params`` (a tuple like :attr:`params`). The framework bridges
+            (:mod:`arrayattn.torch`, :mod:`arrayattn.jax`) call it to run the score_mod
+            on the arrays their path computes with (NumPy views of torch tensors, the
+            arrays a ``jax.custom_vjp`` receives) and to hand the parameters' gradients
+            to autograd; the built-ins have it.
 
     Examples:
         >>> import numpy as np
@@ -68,6 +74,7 @@ class ScoreMod:
         param_grads: Callable[..., tuple[Array, ...]] | None = None,
         name: str | None = None,
         differentiable: bool = True,
+        rebuild: Callable[[tuple[Array, ...]], ScoreMod] | None = None,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"score_mod must be callable, got {type(fn).__name__}")
@@ -79,6 +86,10 @@ class ScoreMod:
         self._param_grads = param_grads
         self.name = str(name or getattr(fn, "__name__", "score_mod"))
         self.differentiable = differentiable
+        self._rebuild = rebuild
+        # Heads of a per-head table (the built-ins set it; checked against the call's
+        # query heads, 1 meaning shared), else None.
+        self.heads: int | None = None
 
     def __call__(self, score: Array, b: Array, h: Array, q_idx: Array, kv_idx: Array) -> Array:
         return self.fn(score, b, h, q_idx, kv_idx)
@@ -95,6 +106,43 @@ class ScoreMod:
             return ()
         assert self._param_grads is not None
         return tuple(self._param_grads(d_score, b, h, q_idx, kv_idx))
+
+    @property
+    def rebindable(self) -> bool:
+        """True when :meth:`with_params` can run this score_mod over other arrays (no
+        params, or a ``rebuild`` function)."""
+        return not self.params or self._rebuild is not None
+
+    def with_params(self, params: tuple[Array, ...]) -> ScoreMod:
+        """The same score_mod over ``params`` instead of :attr:`params` (as many, of
+        the same shapes): what the framework bridges run. ``TypeError`` when it has
+        params but was built without ``rebuild=``.
+
+        Examples:
+            >>> import numpy as np
+            >>> from arrayattn.flex import relative_position_bias
+            >>> m = relative_position_bias(np.zeros((32, 2)))
+            >>> m.with_params((np.ones((32, 2)),)).params[0].sum()
+            np.float64(64.0)
+        """
+        params = tuple(params)
+        if len(params) != len(self.params):
+            raise ValueError(f"score_mod {self!r} has {len(self.params)} params, got {len(params)}")
+        if all(a is b for a, b in zip(params, self.params, strict=True)):
+            return self
+        for i, (new, old) in enumerate(zip(params, self.params, strict=True)):
+            if tuple(new.shape) != tuple(old.shape):
+                raise ValueError(
+                    f"score_mod {self!r} params[{i}] has shape {tuple(old.shape)}, "
+                    f"got {tuple(new.shape)}"
+                )
+        if self._rebuild is None:
+            raise TypeError(
+                f"score_mod {self!r} has params but no rebuild= function, so it cannot run "
+                "over other arrays: build it as ScoreMod(fn, grad, params=..., "
+                "param_grads=..., rebuild=lambda params: <the same ScoreMod over params>)"
+            )
+        return self._rebuild(params)
 
     def __repr__(self) -> str:
         return self.name
@@ -233,7 +281,17 @@ def relative_position_bias(
     def pgrad(ds: Array, b: Array, h: Array, q: Array, kv: Array) -> tuple[Array, ...]:
         return (_table_grad(table, index(q, kv), h, ds),)
 
-    return ScoreMod(fn, None, params=(table,), param_grads=pgrad, name="relative_position_bias")
+    def rebuild(params: tuple[Array, ...]) -> ScoreMod:
+        return relative_position_bias(
+            params[0], bidirectional=bidirectional, num_buckets=nb, max_distance=max_distance
+        )
+
+    smod = ScoreMod(
+        fn, None, params=(table,), param_grads=pgrad, name="relative_position_bias",
+        rebuild=rebuild,
+    )  # fmt: skip
+    smod.heads = int(table.shape[1])
+    return smod
 
 
 def relative_position_bias_2d(table: Array, window: tuple[int, int]) -> ScoreMod:
@@ -273,7 +331,15 @@ def relative_position_bias_2d(table: Array, window: tuple[int, int]) -> ScoreMod
     def pgrad(ds: Array, b: Array, h: Array, q: Array, kv: Array) -> tuple[Array, ...]:
         return (_table_grad(table, index(q, kv), h, ds),)
 
-    return ScoreMod(fn, None, params=(table,), param_grads=pgrad, name="relative_position_bias_2d")
+    def rebuild(params: tuple[Array, ...]) -> ScoreMod:
+        return relative_position_bias_2d(params[0], (wh, ww))
+
+    smod = ScoreMod(
+        fn, None, params=(table,), param_grads=pgrad, name="relative_position_bias_2d",
+        rebuild=rebuild,
+    )  # fmt: skip
+    smod.heads = int(table.shape[1])
+    return smod
 
 
 def alibi_score_mod(slopes: Array, *, offset: int = 0) -> ScoreMod:

@@ -383,7 +383,10 @@ def _with_flex(
             )
         block_mask.check_call(spec.xp, spec.device, spec.batch_size, spec.Hq, spec.L, spec.S)
         mod = block_mask.mask_mod
-        if mask_mod is not None and as_mask_mod(mask_mod) is not mod:
+        # (a plain function is wrapped anew by each as_mask_mod: compare the functions)
+        if mask_mod is not None and not (
+            as_mask_mod(mask_mod) is mod or getattr(mod, "fn", None) is mask_mod
+        ):
             raise ValueError(
                 "mask_mod and block_mask were both given and differ: the block mask already "
                 "holds its mask_mod (pass one of them)"
@@ -395,6 +398,13 @@ def _with_flex(
                 mod, spec.batch_size, None, spec.L, spec.S, xp=spec.xp, device=spec.device
             )
     smod = None if score_mod is None else as_score_mod(score_mod)
+    heads = None if smod is None else smod.heads
+    if heads is not None and heads not in (1, spec.Hq):
+        raise ValueError(
+            f"score_mod {smod!r}: its table has {heads} heads, but the call has Hq = "
+            f"{spec.Hq} query heads; expected a table (entries, {spec.Hq}), or (entries, 1) "
+            "shared by every head"
+        )
     return dataclasses.replace(
         spec, block_mask=block_mask, mask_mod=mod, score_mod=smod, stack_kv=False
     )

@@ -5,15 +5,19 @@ library, when the call is traced."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..attention.block_mask import BlockMask
 from ..attention.dropout import normalize_seed
+from ..attention.held import held_arrays, held_libraries
+from ..attention.mask_mods import as_mask_mod
+from ..attention.score_mods import ScoreMod, as_score_mod
 
-__all__ = ["as_jax_array", "require_static", "static_seed"]
+__all__ = ["as_jax_array", "require_static", "static_seed", "check_flex", "Flex"]
 
 
 def _traced(x: Any) -> bool:
@@ -114,3 +118,98 @@ def static_seed(seed: Any, dropout_p: float) -> int | None:
             f"shape (2,)), got a jax.Array of shape {tuple(seed.shape)} and dtype {seed.dtype}"
         )
     return normalize_seed(seed)
+
+
+class Flex(NamedTuple):
+    """A call's structured options, checked: the block mask and mask_mod as given, the
+    score_mod (a :class:`~arrayattn.flex.ScoreMod`, rebuilt over ``params`` inside the
+    ``custom_vjp``), its ``params`` as JAX arrays, ``traced``: why the call must run the
+    traced path (a mask_mod or score_mod holding JAX arrays), or ``""``, and ``host``: why
+    it must run on the host (one holding NumPy arrays, which traced indices cannot
+    index), or ``""``."""
+
+    block_mask: BlockMask | None = None
+    mask_mod: Any = None
+    score_mod: ScoreMod | None = None
+    params: tuple[Any, ...] = ()
+    traced: str = ""
+    host: str = ""
+
+
+def check_flex(block_mask: Any, mask_mod: Any, score_mod: Any) -> Flex:
+    """Check ``block_mask``/``mask_mod``/``score_mod`` for a JAX call.
+
+    A block mask built for NumPy (the default) or JAX (``xp=jax.numpy``) runs on either
+    path (its block kinds are NumPy arrays); another library is a ``ValueError``. Arrays
+    a mask_mod or score_mod holds must be NumPy arrays (the call then runs on the host)
+    or concrete JAX arrays (the traced path); both at once, or a traced one, is a
+    ``TypeError`` (a score_mod's ``params``
+    excepted: they are the custom_vjp's inputs and get gradients). A score_mod with params
+    must be rebuildable (``ScoreMod(..., rebuild=)``, the built-ins are).
+
+    Examples:
+        >>> import numpy as np
+        >>> from arrayattn.flex import causal_mask, relative_position_bias
+        >>> f = check_flex(None, causal_mask, relative_position_bias(np.zeros((32, 2))))
+        >>> type(f.params[0]).__name__, f.traced
+        ('ArrayImpl', '')
+    """
+    if block_mask is None and mask_mod is None and score_mod is None:
+        return Flex()
+    traced = host = ""
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(
+                "block_mask must be a BlockMask from arrayattn.flex.create_block_mask, got "
+                f"{type(block_mask).__module__}.{type(block_mask).__qualname__}"
+            )
+        if block_mask.library not in ("numpy", "jax"):
+            raise ValueError(
+                f"block_mask was built for {block_mask.library} "
+                f"(create_block_mask(..., xp={block_mask.library})); arrayattn.jax takes "
+                "block masks built for NumPy (the default) or JAX (xp=jax.numpy)"
+            )
+    smod = None if score_mod is None else as_score_mod(score_mod)
+    params: tuple[Any, ...] = ()
+    if smod is not None and smod.params:
+        if not smod.rebindable:
+            raise TypeError(
+                f"score_mod {smod!r} has params but no rebuild= function: under "
+                "jax.custom_vjp its params must be inputs of the call, so arrayattn.jax "
+                "rebuilds the score_mod over them; pass ScoreMod(..., rebuild=lambda "
+                "params: <the same ScoreMod over params>)"
+            )
+        params = tuple(
+            as_jax_array(f"score_mod {smod!r} params[{i}]", p) for i, p in enumerate(smod.params)
+        )
+    checks = (
+        ("block_mask's mask_mod", None if block_mask is None else block_mask.mask_mod, ()),
+        ("mask_mod", None if mask_mod is None else as_mask_mod(mask_mod), ()),
+        ("score_mod", smod, () if smod is None else tuple(smod.params)),
+    )
+    for name, obj, exclude in checks:
+        if obj is None:
+            continue
+        if any(_traced(x) for x in held_arrays(obj, exclude)):
+            raise TypeError(
+                f"{name} {obj!r} holds a traced JAX array: arrays a mask_mod or score_mod "
+                "captures must be concrete (NumPy or JAX arrays made outside jax.jit / "
+                "jax.grad); a learned table belongs in a ScoreMod's params, which get "
+                "gradients"
+            )
+        libs = held_libraries(obj, exclude)
+        if libs - {"numpy", "jax"}:
+            raise TypeError(
+                f"{name} {obj!r} holds {', '.join(sorted(libs - {'numpy', 'jax'}))} arrays; "
+                "arrayattn.jax takes NumPy or JAX arrays there"
+            )
+        if "jax" in libs and not traced:
+            traced = f"{name} {obj!r} holds JAX arrays"
+        if "numpy" in libs and not host:
+            host = f"{name} {obj!r} holds NumPy arrays"
+    if traced and host:
+        raise TypeError(
+            f"{host} but {traced}: build them on one library (JAX arrays run on every "
+            "path; NumPy arrays on the CPU host path only)"
+        )
+    return Flex(block_mask, mask_mod, smod, params, traced, host)

@@ -8,7 +8,9 @@ ones to its full rank (``(*lead, Hq, L, E)`` for the query, ``(*lead,)`` for len
 ``(*lead, Hq)`` for sinks), then the vmapped axes are broadcast to their common shape
 (views, no copies): the vmapped axes become leading batch dims of one larger call. The
 dropout hash still sees each slice's own batch index (``batch_ids``), so that
-``vmap(f)(x)[i] == f(x[i])`` with dropout too.
+``vmap(f)(x)[i] == f(x[i])`` with dropout too. A structured call (block mask, mask_mod,
+score_mod) runs one vmapped slice at a time instead (:func:`per_slice`): its block mask
+is built for one slice's batch, its mask_mod sees that slice's batch indices.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ..attention.spec import AttentionSpec
 from . import _rule
 from ._rule import Arrays, Call
 
-__all__ = ["forward", "backward", "Layout"]
+__all__ = ["forward", "backward", "Layout", "per_slice"]
 
 # Each argument's rank, as an offset from the per-slice batch rank len(lead).
 _EXTRA_RANK = {
@@ -119,15 +121,69 @@ def _callback(
     return list(jax.pure_callback(host, tuple(results), *named.values(), vmap_method="expand_dims"))
 
 
-def forward(call: Call, arrays: Arrays) -> tuple[Array, Array]:
+def _param_names(params: tuple[Any, ...]) -> dict[str, Any]:
+    return {f"score_param_{i}": p for i, p in enumerate(params)}
+
+
+def _split(host: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], tuple[np.ndarray, ...]]:
+    params = tuple(x for n, x in host.items() if n.startswith("score_param_"))
+    return {n: x for n, x in host.items() if not n.startswith("score_param_")}, params
+
+
+def per_slice(
+    run_one: Callable[[dict[str, np.ndarray]], Sequence[np.ndarray]],
+    xs: dict[str, np.ndarray],
+    shapes: dict[str, tuple[int, ...]],
+    results: Sequence[jax.ShapeDtypeStruct],
+) -> list[np.ndarray]:
+    """A callback's arrays with vmapped axes in front (``vmap_method="expand_dims"``),
+    run one vmapped slice at a time: what a structured call needs, whose mask_mod sees
+    each slice's own batch indices and whose score_mod's table may differ per slice.
+    Results stacked back to ``batch + shape``.
+
+    Examples:
+        >>> import jax, numpy as np
+        >>> got = per_slice(lambda one: [one["x"] * 2], {"x": np.ones((3, 2))},
+        ...                 {"x": (2,)}, [jax.ShapeDtypeStruct((2,), np.float32)])
+        >>> got[0].shape
+        (3, 2)
+    """
+    k = {len(np.shape(x)) - len(shapes[n]) for n, x in xs.items()}
+    if len(k) != 1:  # (vmap_method="expand_dims" gives every argument the axes)
+        raise AssertionError(f"callback arguments with unequal vmapped ranks: {k}")
+    rank = k.pop()
+    batch = tuple(np.broadcast_shapes(*(np.shape(x)[:rank] for x in xs.values())))
+    full = {n: np.broadcast_to(np.asarray(x), batch + shapes[n]) for n, x in xs.items()}
+    outs = [np.empty(batch + tuple(r.shape), r.dtype) for r in results]
+    for idx in np.ndindex(*batch):
+        got = run_one({n: x[idx] for n, x in full.items()})
+        for o, g, r in zip(outs, got, results, strict=True):
+            o[idx] = np.asarray(g, dtype=r.dtype)
+    return outs
+
+
+def forward(call: Call, arrays: Arrays, params: tuple[Array, ...] = ()) -> tuple[Array, Array]:
     """``(out, lse)`` of the call, computed by NumPy on the host (see the module)."""
-    spec = _rule.call_spec(call, arrays)  # validation and shapes, on the traced arrays
-    named = _given(arrays)
-    layout = _layout(spec, named)
+    # validation and shapes, on the traced arrays
+    spec = _rule.call_spec(call, arrays, params=params)
+    named = _given(arrays) | _param_names(params)
     results = (
         jax.ShapeDtypeStruct(spec.out_shape, spec.dtype),
         jax.ShapeDtypeStruct(spec.lse_shape, spec.cdtype),
     )
+    if call.flex:
+        shapes = {n: tuple(x.shape) for n, x in named.items()}
+
+        def one(xs: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+            host, ps = _split(xs)
+            return _rule.forward(call, Arrays(**host), params=ps)
+
+        def run_flex(xs: dict[str, np.ndarray]) -> list[np.ndarray]:
+            return per_slice(one, xs, shapes, results)
+
+        out, lse = _callback(run_flex, results, named)
+        return out, lse
+    layout = _layout(spec, named)
 
     def run(xs: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         host, batch = layout.to_host(xs)
@@ -142,26 +198,52 @@ def forward(call: Call, arrays: Arrays) -> tuple[Array, Array]:
 
 
 def backward(
-    call: Call, arrays: Arrays, out: Array, lse: Array, d_out: Array, d_lse: Array | None
-) -> Arrays:
-    """The cotangents of ``arrays`` (:func:`arrayattn.jax._rule.backward`), computed by
-    NumPy on the host."""
-    spec = _rule.call_spec(call, arrays)
+    call: Call,
+    arrays: Arrays,
+    out: Array,
+    lse: Array,
+    d_out: Array,
+    d_lse: Array | None,
+    params: tuple[Array, ...] = (),
+) -> tuple[Arrays, tuple[Array, ...]]:
+    """The cotangents of ``arrays`` and of the score_mod's ``params``
+    (:func:`arrayattn.jax._rule.backward`), computed by NumPy on the host."""
+    spec = _rule.call_spec(call, arrays, params=params)
     grads_of = ["query", "key", "value"]
     if spec.mask_kind == "float":
         grads_of.append("attn_mask")
     if arrays.sinks is not None:
         grads_of.append("sinks")
-    named = _given(arrays) | {"out": out, "lse": lse, "d_out": d_out}
+    pnames = _param_names(params)
+    grads_of += list(pnames)
+    named = _given(arrays) | pnames | {"out": out, "lse": lse, "d_out": d_out}
     if d_lse is not None:
         named["d_lse"] = d_lse
-    layout = _layout(spec, named)
     results = [jax.ShapeDtypeStruct(tuple(named[n].shape), named[n].dtype) for n in grads_of]
+    if call.flex:
+        shapes = {n: tuple(x.shape) for n, x in named.items()}
+
+        def one(xs: dict[str, np.ndarray]) -> list[np.ndarray]:
+            host, ps = _split(xs)
+            inputs = Arrays(**{n: x for n, x in host.items() if n in Arrays._fields})
+            grads, d_params = _rule.backward(
+                call, inputs, host["out"], host["lse"], host["d_out"], host.get("d_lse"),
+                params=ps,
+            )  # fmt: skip
+            by_name = grads._asdict() | _param_names(d_params)
+            return [by_name[n] for n in grads_of]
+
+        def run_flex(xs: dict[str, np.ndarray]) -> list[np.ndarray]:
+            return per_slice(one, xs, shapes, results)
+
+        got = dict(zip(grads_of, _callback(run_flex, results, named), strict=True))
+        return _collect(got), tuple(got[n] for n in pnames)
+    layout = _layout(spec, named)
 
     def run(xs: dict[str, np.ndarray]) -> list[np.ndarray]:
         host, batch = layout.to_host(xs)
         inputs = Arrays(**{n: x for n, x in host.items() if n in Arrays._fields})
-        grads = _rule.backward(
+        grads, _ = _rule.backward(
             call,
             inputs,
             host["out"],
@@ -176,6 +258,10 @@ def backward(
         ]
 
     got = dict(zip(grads_of, _callback(run, results, named), strict=True))
+    return _collect(got), ()
+
+
+def _collect(got: dict[str, Any]) -> Arrays:
     return Arrays(
         got["query"], got["key"], got["value"], got.get("attn_mask"), None, None,
         got.get("sinks"), None,

@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._backend import Array
+from ..attention.block_mask import BlockMask
 from ..attention.structure import parse_window
 from . import _host, _rule
-from ._checks import as_jax_array, require_static, static_seed
+from ._checks import as_jax_array, check_flex, require_static, static_seed
 from ._rule import Arrays, Call
 
 __all__ = ["scaled_dot_product_attention", "path_for", "HOST_DTYPES", "TRACED_AUTO"]
@@ -94,38 +95,55 @@ def path_for(implementation: str, dtype: Any, platform: str) -> tuple[bool, str]
     return False, implementation
 
 
-def _forward(call: Call, arrays: Arrays) -> tuple[Array, Array]:
+Params: TypeAlias = tuple[Any, ...]
+"""The score_mod's parameters (a bias table): differentiable inputs of the custom_vjp."""
+
+
+def _forward(call: Call, arrays: Arrays, params: Params) -> tuple[Array, Array]:
     if call.on_host:
-        return _host.forward(call, arrays)
-    return _rule.forward(call, arrays)
+        return _host.forward(call, arrays, params)
+    return _rule.forward(call, arrays, params=params)
 
 
 def _backward(
-    call: Call, arrays: Arrays, out: Array, lse: Array, d_out: Array, d_lse: Array | None
-) -> Arrays:
+    call: Call,
+    arrays: Arrays,
+    params: Params,
+    out: Array,
+    lse: Array,
+    d_out: Array,
+    d_lse: Array | None,
+) -> tuple[Arrays, Params]:
+    if call.score_mod is not None and not call.score_mod.differentiable:
+        raise TypeError(
+            f"score_mod {call.score_mod!r} has no derivative, so jax.grad cannot run its "
+            "backward: wrap it as arrayattn.flex.ScoreMod(fn, grad=d_fn_d_score)"
+        )
     if call.on_host:
-        return _host.backward(call, arrays, out, lse, d_out, d_lse)
-    return _rule.backward(call, arrays, out, lse, d_out, d_lse)
+        return _host.backward(call, arrays, out, lse, d_out, d_lse, params)
+    return _rule.backward(call, arrays, out, lse, d_out, d_lse, params=params)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(call: Call, arrays: Arrays) -> Any:
-    out, lse = _forward(call, arrays)
+def _attention(call: Call, arrays: Arrays, params: Params) -> Any:
+    out, lse = _forward(call, arrays, params)
     return (out, lse) if call.return_lse else out
 
 
-def _attention_fwd(call: Call, arrays: Arrays) -> tuple[Any, tuple[Arrays, Array, Array]]:
-    out, lse = _forward(call, arrays)
+def _attention_fwd(
+    call: Call, arrays: Arrays, params: Params
+) -> tuple[Any, tuple[Arrays, Params, Array, Array]]:
+    out, lse = _forward(call, arrays, params)
     # The residuals: the inputs, the output and the LSE (row statistics), nothing L x S.
-    return ((out, lse) if call.return_lse else out), (arrays, out, lse)
+    return ((out, lse) if call.return_lse else out), (arrays, params, out, lse)
 
 
 def _attention_bwd(
-    call: Call, residuals: tuple[Arrays, Array, Array], cotangent: Any
-) -> tuple[Arrays]:
-    arrays, out, lse = residuals
+    call: Call, residuals: tuple[Arrays, Params, Array, Array], cotangent: Any
+) -> tuple[Arrays, Params]:
+    arrays, params, out, lse = residuals
     d_out, d_lse = cotangent if call.return_lse else (cotangent, None)
-    return (_backward(call, arrays, out, lse, d_out, d_lse),)
+    return _backward(call, arrays, params, out, lse, d_out, d_lse)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -154,6 +172,9 @@ def scaled_dot_product_attention(
     kv_lengths: ArrayIn | None = None,
     sinks: ArrayIn | None = None,
     alibi_slopes: ArrayIn | None = None,
+    block_mask: BlockMask | None = None,
+    mask_mod: Any = None,
+    score_mod: Any = None,
 ) -> jax.Array: ...
 @overload
 def scaled_dot_product_attention(
@@ -176,6 +197,9 @@ def scaled_dot_product_attention(
     kv_lengths: ArrayIn | None = None,
     sinks: ArrayIn | None = None,
     alibi_slopes: ArrayIn | None = None,
+    block_mask: BlockMask | None = None,
+    mask_mod: Any = None,
+    score_mod: Any = None,
 ) -> tuple[jax.Array, jax.Array]: ...
 @overload
 def scaled_dot_product_attention(
@@ -198,6 +222,9 @@ def scaled_dot_product_attention(
     kv_lengths: ArrayIn | None = None,
     sinks: ArrayIn | None = None,
     alibi_slopes: ArrayIn | None = None,
+    block_mask: BlockMask | None = None,
+    mask_mod: Any = None,
+    score_mod: Any = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]: ...
 def scaled_dot_product_attention(
     query: ArrayIn,
@@ -219,6 +246,9 @@ def scaled_dot_product_attention(
     kv_lengths: ArrayIn | None = None,
     sinks: ArrayIn | None = None,
     alibi_slopes: ArrayIn | None = None,
+    block_mask: BlockMask | None = None,
+    mask_mod: Any = None,
+    score_mod: Any = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """:func:`arrayattn.scaled_dot_product_attention` on JAX arrays, with arrayattn's
     own backward under ``jax.grad`` (a ``jax.custom_vjp``).
@@ -232,9 +262,9 @@ def scaled_dot_product_attention(
 
     - the arrays are JAX arrays (traced or not; NumPy arrays are converted, any other
       library's arrays are a ``TypeError``); gradients flow to ``query``,
-      ``key``, ``value``, a float ``attn_mask``, ``sinks`` and, through ``d_lse``, from
-      the LSE. ``q_lengths``, ``kv_lengths`` and ``alibi_slopes`` are constants: their
-      gradient is zero, as under ``jax.lax.stop_gradient``.
+      ``key``, ``value``, a float ``attn_mask``, ``sinks``, a score_mod's ``params``
+      and, through ``d_lse``, from the LSE. ``q_lengths``, ``kv_lengths`` and
+      ``alibi_slopes`` are constants: their gradient is zero, as under ``jax.lax.stop_gradient``.
     - every other argument is static (a Python value when traced: under ``jax.jit``
       pass it with ``static_argnames`` or close over it); a traced one is a
       ``TypeError`` naming it.
@@ -248,6 +278,18 @@ def scaled_dot_product_attention(
       traced with ``jax.numpy`` elsewhere or for bfloat16; ``"fast"`` forces the
       callback, ``"chunked"``/``"composed"`` (or your registered names) the traced path
       (:func:`path_for`). The CuPy kernels cannot run inside a JAX trace.
+    - ``block_mask``, ``mask_mod``, ``score_mod`` (:mod:`arrayattn.flex`) are static:
+      a block mask built for NumPy (the default) or JAX (``xp=jax.numpy``) runs on
+      either path; a mask_mod or score_mod holding NumPy arrays (document ids) runs on
+      the host path only, one holding concrete JAX arrays on either (``"auto"`` then
+      traces); arrays they hold must not be traced. A ``ScoreMod``'s ``params`` (a bias
+      table, ``relative_position_bias(table)``) are the exception: they are inputs of
+      the ``custom_vjp`` (traced or not) and ``jax.grad`` differentiates them; the
+      score_mod is rebuilt over them (``ScoreMod(..., rebuild=)``; the built-ins have
+      it). Under ``jax.vmap`` the host path runs such a call one slice at a time, so a
+      mask_mod sees each slice's own batch indices and a table may be vmapped too. A
+      score_mod without a derivative runs forward; ``jax.grad`` through it is a
+      ``TypeError``.
 
     Works under ``jax.jit``, ``jax.grad``, ``jax.value_and_grad``, ``jax.vjp``,
     ``jax.vmap`` (over any axes; each slice gives what it gives alone) and their
@@ -280,6 +322,19 @@ def scaled_dot_product_attention(
         >>> lse.shape, jax.grad(lambda s: aaj.scaled_dot_product_attention(
         ...     q, kv, kv, enable_gqa=True, sinks=s).sum())(sinks).shape
         ((2, 8, 16), (8,))
+
+        A document mask and a T5 bias table, differentiated by ``jax.grad``:
+
+        >>> import numpy as np
+        >>> from arrayattn.flex import create_block_mask, document_mask, relative_position_bias
+        >>> bm = create_block_mask(document_mask(np.arange(16) // 6), None, None, 16, 16,
+        ...                        block_size=4)
+        >>> def biased(table):
+        ...     return aaj.scaled_dot_product_attention(
+        ...         q, kv, kv, enable_gqa=True, block_mask=bm,
+        ...         score_mod=relative_position_bias(table)).sum()
+        >>> jax.grad(biased)(jnp.zeros((32, 8), jnp.float32)).shape
+        (32, 8)
     """
     given = Arrays(query, key, value, attn_mask, q_lengths, kv_lengths, sinks, alibi_slopes)
     arrays = Arrays(
@@ -304,6 +359,22 @@ def scaled_dot_product_attention(
     if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool):
         raise TypeError(f"dropout_p must be a real number, got {type(dropout_p).__name__}")
     on_host, runs = path_for(implementation, arrays.query.dtype, _platform(arrays))
+    flex = check_flex(block_mask, mask_mod, score_mod)
+    if flex.traced and on_host:
+        if implementation == "fast":
+            raise ValueError(
+                f"implementation='fast' runs NumPy on the host, but {flex.traced}: "
+                "use implementation='auto' or 'chunked' (traced), or NumPy arrays there"
+            )
+        on_host, runs = False, TRACED_AUTO
+    if flex.host and not on_host:
+        raise ValueError(
+            f"{flex.host}, which this call's traced path (implementation={implementation!r}"
+            f" on {_platform(arrays)}, {jnp.dtype(arrays.query.dtype).name}) cannot index "
+            "with traced indices: build it on JAX arrays (e.g. "
+            "document_mask(jnp.asarray(ids))), or run the host path (implementation='auto' "
+            "on the CPU, float16/32/64)"
+        )
     seed_n = static_seed(seed, float(dropout_p))
     call = Call(
         dropout_p=float(dropout_p),
@@ -317,6 +388,9 @@ def scaled_dot_product_attention(
         return_lse=bool(return_lse),
         implementation=runs,
         on_host=on_host,
+        block_mask=flex.block_mask,
+        mask_mod=flex.mask_mod,
+        score_mod=flex.score_mod,
     )
-    _rule.call_spec(call, arrays)  # errors now, named, before JAX's own machinery
-    return _attention(call, arrays)
+    _rule.call_spec(call, arrays, params=flex.params)  # errors now, named
+    return _attention(call, arrays, flex.params)

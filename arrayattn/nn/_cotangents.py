@@ -15,7 +15,8 @@ class Cotangents(tuple):
     """What a :meth:`MultiHeadAttention.vjp` pullback returns: the tuple
     ``(dx, dcontext, dparams)`` (so ``dx, dcontext, dparams = pullback(d_out)`` works),
     with the cotangents of the other inputs as attributes: :attr:`value` (the separate
-    ``value`` input, else ``None``) and :attr:`attn_mask` (a float mask, else ``None``).
+    ``value`` input, else ``None``), :attr:`attn_mask` (a float mask, else ``None``) and
+    :attr:`score_mod` (a score_mod's parameters, else ``None``).
 
     Examples:
         >>> import numpy as np
@@ -31,18 +32,28 @@ class Cotangents(tuple):
 
     _value: Array | None
     _attn_mask: Array | None
+    _score_mod: tuple[Array, ...] | None
 
     def __new__(
-        cls, dx: Array, dcontext: Array | None, dparams: Params, dvalue: Any, dmask: Any
+        cls,
+        dx: Array,
+        dcontext: Array | None,
+        dparams: Params,
+        dvalue: Any,
+        dmask: Any,
+        dscore: tuple[Array, ...] | None = None,
     ) -> Cotangents:
         self = super().__new__(cls, (dx, dcontext, dparams))
-        self._value, self._attn_mask = dvalue, dmask
+        self._value, self._attn_mask, self._score_mod = dvalue, dmask, dscore
         return self
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        # A tuple subclass with a five-argument __new__ and two attributes: pickle (and
-        # copy.deepcopy) rebuild it from all five, e.g. gradients sent back from a worker.
-        return (type(self), (self[0], self[1], self[2], self._value, self._attn_mask))
+        # A tuple subclass with a six-argument __new__ and three attributes: pickle (and
+        # copy.deepcopy) rebuild it from all six, e.g. gradients sent back from a worker.
+        return (
+            type(self),
+            (self[0], self[1], self[2], self._value, self._attn_mask, self._score_mod),
+        )
 
     @property
     def x(self) -> Array:
@@ -69,3 +80,9 @@ class Cotangents(tuple):
         """Cotangent of a float ``attn_mask`` (a learned bias), in its shape; ``None`` for
         a bool mask or none."""
         return self._attn_mask
+
+    @property
+    def score_mod(self) -> tuple[Array, ...] | None:
+        """Cotangents of the call's ``score_mod`` parameters (a bias table), one per
+        ``score_mod.params`` in order; ``None`` without a score_mod that has some."""
+        return self._score_mod

@@ -17,10 +17,12 @@ import torch
 from torch.autograd.function import FunctionCtx
 
 from ..attention import composed as _composed
+from ..attention.block_mask import BlockMask
 from ..attention.registry import select
 from ..attention.spec import AttentionSpec, make_spec
 from ..ops import attention as _ops_attention  # noqa: F401  (registers the implementations)
 from ._call import check_no_grad_wanted, check_tensors, draw_torch_seed, route
+from ._flex import prepare_flex
 from ._tensors import Arrays
 
 __all__ = ["scaled_dot_product_attention", "AttentionFunction", "Plan"]
@@ -44,10 +46,12 @@ class Plan:
 
 
 class AttentionFunction(torch.autograd.Function):
-    """``apply(plan, query, key, value, attn_mask, sinks) -> (out, lse)``.
+    """``apply(plan, query, key, value, attn_mask, sinks, *score_params) -> (out, lse)``.
 
-    Differentiable inputs: ``query``, ``key``, ``value``, a float ``attn_mask`` and
-    ``sinks`` (the rest of the call lives in ``plan``); both outputs take gradients
+    Differentiable inputs: ``query``, ``key``, ``value``, a float ``attn_mask``,
+    ``sinks`` and the ``params`` of a ``score_mod`` (a bias table: ``score_params``, in
+    order; the plan's spec holds the score_mod over their backend arrays); the rest of
+    the call lives in ``plan``. Both outputs take gradients
     (``d_lse`` flows when the caller returns the LSE). Saved for the backward: the
     inputs, ``out`` and ``lse``. Double backward (``create_graph=True``) raises."""
 
@@ -60,6 +64,7 @@ class AttentionFunction(torch.autograd.Function):
         value: torch.Tensor,
         attn_mask: torch.Tensor | None,
         sinks: torch.Tensor | None,
+        *score_params: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = plan.forward(query, key, value, attn_mask)
         ctx.plan = plan  # type: ignore[attr-defined]
@@ -67,7 +72,7 @@ class AttentionFunction(torch.autograd.Function):
         # as zeros to multiply through.
         ctx.set_materialize_grads(False)
         saved: tuple[Any, ...] = (query, key, value, attn_mask, sinks, out, lse)  # None allowed
-        ctx.save_for_backward(*saved)
+        ctx.save_for_backward(*saved, *score_params)
         return out, lse
 
     @staticmethod
@@ -85,10 +90,11 @@ class AttentionFunction(torch.autograd.Function):
                 "for higher-order gradients"
             )
         plan: Plan = ctx.plan
-        query, key, value, attn_mask, sinks, out, lse = ctx.saved_tensors
-        _, *needs = ctx.needs_input_grad  # plan, query, key, value, attn_mask, sinks
+        query, key, value, attn_mask, sinks, out, lse, *score_params = ctx.saved_tensors
+        # plan, query, key, value, attn_mask, sinks, *score_params
+        _, *needs = ctx.needs_input_grad
         if d_out is None and d_lse is None:
-            return (None,) * 6
+            return (None,) * (6 + len(score_params))
         # Autograd's cotangents may be broadcast views (stride 0, from out.sum()); the
         # kernels and the fast path read dense rows.
         a = plan.arrays
@@ -106,7 +112,17 @@ class AttentionFunction(torch.autograd.Function):
             out_lse = a.to_backend(out), a.to_backend(lse)
             d_sinks = a.to_torch(_composed.sinks_gradient(plan.spec, *out_lse, do, dl), sinks)
         wanted = [g if need else None for g, need in zip(grads, needs, strict=False)]
-        return (None, *wanted, d_sinks)
+        d_params: list[torch.Tensor | None] = [None] * len(score_params)
+        if any(needs[5:]):
+            # The score_mod's parameters (a bias table): one deterministic pass over the
+            # scores, the same on every implementation (as in arrayattn.vjp).
+            qb, kb, vb, mb, ob, lb = map(a.to_backend, (query, key, value, attn_mask, out, lse))
+            got = _composed.score_mod_param_grads(plan.spec, qb, kb, vb, mb, ob, lb, do, dl)
+            d_params = [
+                a.to_torch(g, p) if need else None
+                for g, p, need in zip(got, score_params, needs[5:], strict=True)
+            ]
+        return (None, *wanted, d_sinks, *d_params)
 
 
 # torch.compile: dynamo does not trace this function (a graph break): the call runs
@@ -138,6 +154,9 @@ def scaled_dot_product_attention(
     kv_lengths: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    block_mask: BlockMask | None = None,
+    mask_mod: Any = None,
+    score_mod: Any = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`arrayattn.scaled_dot_product_attention` on torch tensors, differentiated by
     PyTorch's autograd with arrayattn's own backward.
@@ -182,6 +201,29 @@ def scaled_dot_product_attention(
         kv_lengths: int tensor of the batch shape: valid keys per sequence.
         sinks: attention-sink logits, ``(Hq,)`` or broadcastable to ``(..., Hq)``.
         alibi_slopes: ALiBi slopes, ``(Hq,)`` or ``(B, Hq)``; no gradient.
+        block_mask: a :class:`~arrayattn.flex.BlockMask` for this call's ``(B, Hq, L,
+            S)``: built with ``create_block_mask(..., xp=torch, device=query.device)``
+            (the call then runs arrayattn's array-API paths in PyTorch operations), or,
+            for CPU float16/32/64 tensors, with the default NumPy one (the NumPy fast
+            path over views of the tensors). Another library or device is a
+            ``ValueError`` naming both.
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (FlexAttention's), ANDed with
+            every other mask; the same one as ``block_mask``'s, or alone. It is called on
+            index arrays of the library the call runs on: torch when it holds torch
+            tensors (document ids) or ``block_mask`` was built for torch, else NumPy for
+            CPU float16/32/64 tensors.
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` after softcap and
+            ALiBi; a :class:`~arrayattn.flex.ScoreMod` with its derivative when an input
+            requires grad. Its ``params`` (a bias table, e.g.
+            ``relative_position_bias(table)``) must be torch tensors on query's device;
+            those that require grad get their gradient through autograd.
+
+    Structured calls (``block_mask``/``mask_mod``/``score_mod``) are FlexAttention's
+    ``flex_attention(q, k, v, score_mod=, block_mask=)`` with arrayattn's backward, which
+    also runs on the CPU. A combination that needs both libraries (a NumPy block mask and
+    a mask_mod holding torch tensors) is a ``TypeError``; a score_mod without a
+    derivative is a ``TypeError`` when an input requires grad. On CUDA tensors they run
+    the array-API paths (the fused kernels take block masks on CuPy arrays only).
 
     Returns:
         ``out``, or ``(out, lse)`` with ``return_lse=True``.
@@ -202,6 +244,20 @@ def scaled_dot_product_attention(
         ...     q, kv, kv, is_causal=True, enable_gqa=True)
         >>> bool(torch.allclose(out, ref, atol=1e-5))
         True
+
+        A document mask and a learned T5 bias table (its gradient through autograd):
+
+        >>> from arrayattn.flex import create_block_mask, document_mask, relative_position_bias
+        >>> ids = torch.arange(16) // 6                       # three packed documents
+        >>> bm = create_block_mask(document_mask(ids), None, None, 16, 16, xp=torch,
+        ...                        block_size=4)
+        >>> table = torch.zeros(32, 8, requires_grad=True)    # (num_buckets, Hq)
+        >>> out = aat.scaled_dot_product_attention(
+        ...     q, kv, kv, enable_gqa=True, block_mask=bm,
+        ...     score_mod=relative_position_bias(table))
+        >>> out.sum().backward()
+        >>> table.grad.shape
+        torch.Size([32, 8])
     """
     check_tensors(
         query=query,
@@ -214,12 +270,28 @@ def scaled_dot_product_attention(
         alibi_slopes=alibi_slopes,
     )
     check_no_grad_wanted(alibi_slopes=alibi_slopes)
-    differentiable = (query, key, value, attn_mask, sinks)
+    flex = prepare_flex(query, block_mask, mask_mod, score_mod)
+    score_params = () if flex is None else flex.params
+    differentiable = (query, key, value, attn_mask, sinks, *score_params)
     grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in differentiable
     )
-    arrays = Arrays(query)
+    if grad and flex is not None and flex.score_mod is not None:
+        if not flex.score_mod.differentiable:
+            raise TypeError(
+                f"score_mod {flex.score_mod!r} has no derivative, so its backward cannot run "
+                "(an input requires grad): wrap it as arrayattn.flex.ScoreMod(fn, "
+                "grad=d_fn_d_score), or call under torch.no_grad()"
+            )
+    arrays = Arrays(query, numpy=None if flex is None else flex.numpy)
     to_backend = arrays.to_backend
+    flex_options: dict[str, Any] = {}
+    if flex is not None:
+        flex_options = {
+            "block_mask": flex.block_mask,
+            "mask_mod": flex.mask_mod,
+            "score_mod": flex.backend_score_mod(arrays),
+        }
     spec = make_spec(
         to_backend(query),
         to_backend(key),
@@ -238,10 +310,11 @@ def scaled_dot_product_attention(
         sinks=to_backend(sinks),
         alibi_slopes=to_backend(alibi_slopes),
         lse_wanted=grad or return_lse,
+        **flex_options,
     )
     plan = Plan(arrays, spec, select(spec, route(spec, implementation)))
     if grad:
-        out, lse = AttentionFunction.apply(plan, query, key, value, attn_mask, sinks)
+        out, lse = AttentionFunction.apply(plan, query, key, value, attn_mask, sinks, *score_params)
     else:  # no graph to build: nothing saved, no Function node
         out, lse = plan.forward(query, key, value, attn_mask)
     return (out, lse) if return_lse else out

@@ -23,9 +23,10 @@ __all__ = ["Arrays"]
 
 class Arrays:
     """The conversion for one call, decided by ``query``: NumPy views for a CPU tensor
-    of a NumPy dtype, else the tensors themselves (detached). On the NumPy side, a
-    floating tensor of a dtype NumPy lacks (a bfloat16 mask or sinks next to float32
-    queries) is widened to float32 first (exact; its gradient comes back in its dtype).
+    of a NumPy dtype (unless ``numpy=False``), else the tensors themselves (detached).
+    On the NumPy side, a floating tensor of a dtype NumPy lacks (a bfloat16 mask or
+    sinks next to float32 queries) is widened to float32 first (exact; its gradient
+    comes back in its dtype).
 
     Examples:
         >>> import torch
@@ -38,9 +39,12 @@ class Arrays:
         False
     """
 
-    def __init__(self, query: torch.Tensor) -> None:
+    def __init__(self, query: torch.Tensor, numpy: bool | None = None) -> None:
         self._bridge = bridge = NumpyBridge(torch)
-        self.numpy = query.device.type == "cpu" and bridge.dtype(query.dtype) is not None
+        can = query.device.type == "cpu" and bridge.dtype(query.dtype) is not None
+        # numpy=False: the tensors themselves even where NumPy views could run (a call
+        # whose block mask or mask_mod holds torch tensors, arrayattn.torch._flex).
+        self.numpy = can if numpy is None else (can and numpy)
 
     def to_backend(self, x: torch.Tensor | None) -> Any:
         """``x`` as the implementation's array (``None`` stays ``None``)."""

@@ -151,9 +151,16 @@ def load(lib: Path) -> ctypes.CDLL:
     return dll
 
 
-def build(names: list[str], work: Path, kernel_file: str = "attn_bwd.cu") -> ctypes.CDLL:
+def build(names: list[str], work: Path, kernel_file: str | None = None) -> ctypes.CDLL:
     """Compile (cached) and load the emulator library for the instantiations ``names`` of
-    ``kernel_file``."""
+    ``kernel_file``; by default ``attn_bwd.cu``, or the v4/v3 source (which includes it)
+    when a name is one of their dK/dV kernels (v4 is the default backward variant)."""
+    if kernel_file is None:
+        kernel_file = "attn_bwd.cu"
+        if any(n.startswith("aa_bwd_dkdv_mma4<") for n in names):
+            kernel_file = "attn_bwd_v4.cu"
+        elif any(n.startswith("aa_bwd_dkdv_mma3<") for n in names):
+            kernel_file = "attn_bwd_v3.cu"
     return load(compile_library(names, work, kernel_file=kernel_file))
 
 

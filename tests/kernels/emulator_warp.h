@@ -181,6 +181,39 @@ inline void aa_emu_mma(float (&c)[4], const aa_u32 (&a)[4], aa_u32 b0, aa_u32 b1
     for (int r = 0; r < 4; ++r) c[r] = out[r];
 }
 
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 (aa_fwd_tf32); registers hold float
+// bit patterns, of which the tensor cores read the top 19 bits (the low 13 are dropped
+// here; the kernel clears them before the product anyway). g = lane/4, c = lane%4:
+// A 16x8: a0 (g, c), a1 (g+8, c), a2 (g, c+4), a3 (g+8, c+4)
+// B 8x8:  b0 (k = c, n = g), b1 (k = c+4, n = g)
+// C 16x8: as m16n8k16
+inline void aa_emu_mma_tf32(float (&c)[4], const aa_u32 (&a)[4], aa_u32 b0, aa_u32 b1) {
+    AaEmuWarp& w = aa_emu_warp();
+    const int l = aa_emu_lane();
+    for (int i = 0; i < 4; ++i) w.a[l][i] = a[i];
+    w.b[l][0] = b0;
+    w.b[l][1] = b1;
+    w.bar.arrive_and_wait();
+    auto val = [](aa_u32 bits) {
+        bits &= 0xFFFFE000u;
+        float f;
+        std::memcpy(&f, &bits, 4);
+        return static_cast<double>(f);
+    };
+    auto A = [&](int row, int k) { return val(w.a[(row % 8) * 4 + k % 4][(row >= 8) + 2 * (k >= 4)]); };
+    auto B = [&](int k, int n) { return val(w.b[n * 4 + k % 4][k >= 4]); };
+    float out[4];
+    for (int r = 0; r < 4; ++r) {
+        const int row = l / 4 + 8 * (r / 2);
+        const int col = 2 * (l % 4) + (r % 2);
+        double sum = c[r];
+        for (int k = 0; k < 8; ++k) sum += A(row, k) * B(k, col);
+        out[r] = static_cast<float>(sum);
+    }
+    w.bar.arrive_and_wait();
+    for (int r = 0; r < 4; ++r) c[r] = out[r];
+}
+
 // ---- launch --------------------------------------------------------------------------
 // Run `body` (the kernel body for the current thread) on `nthreads` threads per block, for
 // every block of `grid`, one block after another.

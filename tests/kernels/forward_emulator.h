@@ -128,6 +128,22 @@ inline aa_u32 aa_pack2(float lo, float hi) {
     return aa_emu_pack2(lo, hi, DT == 1);
 }
 
+// aa_fwd_tf32's operand split (the kernel's own bit arithmetic) and its mma.
+inline aa_u32 aa_tf32_round(float x) {
+    aa_u32 u;
+    std::memcpy(&u, &x, 4);
+    return (u + 0x1000u) & 0xFFFFE000u;
+}
+inline void aa_split_tf32(float x, aa_u32& big, aa_u32& small) {
+    big = aa_tf32_round(x);
+    float b;
+    std::memcpy(&b, &big, 4);
+    small = aa_tf32_round(x - b);
+}
+inline void aa_mma_tf32(float (&c)[4], const aa_u32 (&a)[4], aa_u32 b0, aa_u32 b1) {
+    aa_emu_mma_tf32(c, a, b0, b1);
+}
+
 // __any_sync (aa_fwd_tc2's rescale vote): every lane of the warp takes part, as the
 // kernels call it with the full mask; the two warp barriers order the exchange.
 inline int __any_sync(unsigned, int pred) {

@@ -242,6 +242,7 @@ def test_simt_f64_window_global_sinks(library, deterministic) -> None:
 def test_flex_plan_and_variants() -> None:
     assert flex_plan("float16", 64, 64, "v1").dkdv.startswith("aa_bwd_dkdv_mma2<")  # v1 -> v2
     assert flex_plan("float16", 64, 64, "v3").dkdv.startswith("aa_bwd_dkdv_mma2<")  # v3 -> v2
+    assert flex_plan("float16", 128, 128, "v4").dkdv.startswith("aa_bwd_dkdv_mma2<")  # v4 -> v2
     assert flex_plan("float16", 60, 60, "v2") is None  # E not a multiple of 8: v1's tc only
     assert flex_plan("bfloat16", 200, 200).dq.startswith("aa_bwd_dq_simt<AaBF16,")
     names = kb.COMPILE_VARIANTS[kb.SOURCE]
@@ -249,12 +250,13 @@ def test_flex_plan_and_variants() -> None:
         p = flex_plan(kind, d, d)
         assert p.dkdv in names and p.dq in names
     assert not any(n.endswith("true>") for n in kb.COMPILE_VARIANTS[kb.SOURCE_V3])
+    assert not any(n.endswith("true>") for n in kb.COMPILE_VARIANTS[kb.SOURCE_V4])
 
 
 def test_declines_and_fused_routing(monkeypatch) -> None:
-    """Opt-in: without ARRAYATTN_FLEX_BWD_KERNELS the kernels decline flex calls and
-    FusedAttention.backward runs the array-API backward; with it, the kernels take block
-    masks (not score_mod, not block sizes their tiles do not divide)."""
+    """ARRAYATTN_FLEX_BWD_KERNELS=0 opts out: the kernels decline flex calls and
+    FusedAttention.backward runs the array-API backward; by default (unset) and with 1, the
+    kernels take block masks (not score_mod, not block sizes their tiles do not divide)."""
     from arrayattn.attention.cuda import fused
     from arrayattn.attention.spec import make_spec
     from arrayattn.flex import causal_mask, softcap_score_mod
@@ -267,8 +269,10 @@ def test_declines_and_fused_routing(monkeypatch) -> None:
     monkeypatch.setattr(kb, "is_cupy", lambda xp: True)
     monkeypatch.setattr(kb, "compute_capability", lambda spec: 90)
     bm = create_block_mask(causal_mask, None, None, 256, 256)
-    monkeypatch.delenv(kb.FLEX_ENV, raising=False)
+    monkeypatch.setenv(kb.FLEX_ENV, "0")
     assert kb.FLEX_ENV in kb.declines(spec(bm))
+    monkeypatch.delenv(kb.FLEX_ENV, raising=False)  # the default: the kernels take them
+    assert kb.declines(spec(bm)) is None
     monkeypatch.setenv(kb.FLEX_ENV, "1")
     assert kb.declines(spec(bm)) is None
     assert kb.declines(spec(bm, dtype=np.float32, d=32)) is None

@@ -85,13 +85,19 @@ def _ran_v3(names: list[str]) -> bool:
     return any("_mma3<" in n for n in names)
 
 
+def _ran_v4(names: list[str]) -> bool:
+    return any("_mma4<" in n for n in names)
+
+
 def _plan_variant(variant: str, E: int) -> str:
     """The kernels a 16-bit call at head dim E runs under ``variant``: v2 has head dims 64
     and 128 (E = 80 runs in D = 96, left to v1's kernels), v3 head dim 64 only (D = 128
-    declines to v2's kernels)."""
+    declines to v2's kernels), v4 head dims 64 and 128 (its dK/dV kernel; v2's dQ kernel)."""
     if variant == "v3" and E == 64:
         return "v3"
-    if variant in ("v2", "v3") and E in (64, 128):
+    if variant == "v4" and E in (64, 128):
+        return "v4"
+    if variant in ("v2", "v3", "v4") and E in (64, 128):
         return "v2"
     return "v1"
 
@@ -215,10 +221,11 @@ def test_gradients_16bit(spy, launched, monkeypatch, kind, case, E, variant):
     _use_variant(monkeypatch, variant)
     got, ref, inputs, c = _run(kind, case, E=E, Ev=E)
     assert spy, "the backward kernels did not run"
-    # E = 80 runs in D = 96, which v2 (and v3) leave to v1's kernels; v3 at 128 is v2.
+    # E = 80 runs in D = 96, which v2 (and v3, v4) leave to v1's kernels; v3 at 128 is v2.
     want = _plan_variant(variant, E)
     assert _ran_v3(launched) == (want == "v3"), launched
-    if want != "v3":
+    assert _ran_v4(launched) == (want == "v4"), launched
+    if want not in ("v3", "v4"):
         assert _ran_v2(launched) == (want == "v2"), launched
     bound = {"float16": 2e-2, "bfloat16": 5e-2}[kind]
     if case in ("plain", "causal_gqa"):
@@ -336,3 +343,26 @@ def test_v3_agrees_with_v2(monkeypatch, launched, E, deterministic):
         assert np.array_equal(dq2, dq3)
     else:
         assert rel(dq3, dq2) <= 2e-3
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("E", [64, 128])
+def test_v4_agrees_with_v2(monkeypatch, launched, E, deterministic):
+    """v4 against v2 on one problem (float16, causal, ragged sizes; v4 runs its own dK/dV
+    kernel at E = 64 and 128, with v2's deterministic dQ kernel): dK/dV are the same bits in
+    both dQ modes (the same MMAs on the same operands in the same order, only another warp
+    tiling); deterministic dQ is v2's kernel (same bits); with dQ atomics dQ agrees to
+    float32 rounding of the atomics' order."""
+    got = {}
+    for variant in ("v2", "v4"):
+        _use_variant(monkeypatch, variant)
+        launched.clear()
+        got[variant] = _run("float16", "bottom_right_ragged", E=E, Ev=E,
+                            deterministic=deterministic)[0]  # fmt: skip
+        assert _ran_v4(launched) == (variant == "v4"), launched
+    (dq2, dk2, dv2), (dq4, dk4, dv4) = got["v2"], got["v4"]
+    assert np.array_equal(dk2, dk4) and np.array_equal(dv2, dv4)
+    if deterministic:
+        assert np.array_equal(dq2, dq4)
+    else:
+        assert rel(dq4, dq2) <= 2e-3

@@ -312,14 +312,14 @@ def test_variant_switch_reads_the_environment(monkeypatch):
     from arrayattn.attention.cuda import backward as bwd
 
     monkeypatch.delenv("ARRAYATTN_BWD_VARIANT", raising=False)
-    assert bwd.bwd_variant() == bwd.DEFAULT_VARIANT == "v2"  # measured faster on an H200
-    assert bwd.backward_plan("float16", 128, 128).variant == "v2"
-    for raw, want in (("", "v2"), ("v1", "v1"), ("v2", "v2"), (" V2 ", "v2"), ("V1", "v1"),
-                      ("v3", "v3"), ("V3 ", "v3")):  # fmt: skip
+    assert bwd.bwd_variant() == bwd.DEFAULT_VARIANT == "v4"  # measured faster on an H100
+    assert bwd.backward_plan("float16", 128, 128).variant == "v4"
+    for raw, want in (("", "v4"), ("v1", "v1"), ("v2", "v2"), (" V2 ", "v2"), ("V1", "v1"),
+                      ("v3", "v3"), ("V3 ", "v3"), ("v4", "v4"), (" V4", "v4")):  # fmt: skip
         monkeypatch.setenv("ARRAYATTN_BWD_VARIANT", raw)
         assert bwd.bwd_variant() == want
         assert bwd.backward_plan("bfloat16", 64, 64).variant == want
-    monkeypatch.setenv("ARRAYATTN_BWD_VARIANT", "v4")
+    monkeypatch.setenv("ARRAYATTN_BWD_VARIANT", "v5")
     with pytest.raises(ValueError, match="ARRAYATTN_BWD_VARIANT must be one of"):
         bwd.bwd_variant()
     with pytest.raises(ValueError, match="ARRAYATTN_BWD_VARIANT"):
@@ -397,13 +397,57 @@ def test_v3_plan_and_what_it_declines_to(kind, e, ev, want):
     assert plan.dkdv_smem <= 227 * 1024
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_v2_tiles_cover_allowed_pairs(d):
-    """v2's tiles (128 keys per block, 64-row query steps) through the same schedule
-    mirrors, at sizes where several of each meet causal/window/length edges."""
+@pytest.mark.parametrize(
+    "kind,e,ev,want",
+    [
+        ("float16", 64, 64, "v4"),
+        ("bfloat16", 56, 64, "v4"),  # padded into D = 64
+        ("float16", 128, 128, "v4"),
+        ("bfloat16", 120, 112, "v4"),  # padded into D = 128
+        ("float16", 60, 64, "v1"),  # E % 8 != 0: no 16-byte copies
+        ("float16", 32, 32, "v1"),  # D = 32
+        ("float16", 80, 80, "v1"),  # D = 96
+        ("bfloat16", 256, 256, "v1"),
+        ("float32", 64, 64, "v1"),  # CUDA-core kinds
+        ("float64", 128, 128, "v1"),
+    ],
+)
+def test_v4_plan_and_what_it_declines_to(kind, e, ev, want):
+    """v4 has its own dK/dV kernel at head dims 64 and 128 (16-bit kinds, E and Ev multiples
+    of 8) with v2's deterministic dQ; anything else gets exactly v2's plan (or v1's, as v2);
+    block masks get v2's FLEX plan."""
     from arrayattn.attention.cuda import backward as bwd
 
-    plan = bwd.backward_plan("float16", d, d, variant="v2")
+    plan = bwd.backward_plan(kind, e, ev, variant="v4")
+    assert plan.variant == want
+    if want != "v4":
+        assert plan == bwd.backward_plan(kind, e, ev, variant="v2")
+        return
+    v2 = bwd.backward_plan(kind, e, ev, variant="v2")
+    assert plan.dkdv.startswith("aa_bwd_dkdv_mma4<") and plan.dq == v2.dq
+    assert (plan.preprocess, plan.convert, plan.dq_smem) == (v2.preprocess, v2.convert, v2.dq_smem)
+    assert plan.dkdv_block_n == 128 and plan.dkdv_threads == 256
+    assert bwd.kernel_file(plan.dkdv) == "attn_bwd_v4.cu" == bwd.SOURCE_V4
+    assert plan.dkdv in bwd.COMPILE_VARIANTS["attn_bwd_v4.cu"]
+    assert plan.dkdv not in bwd.COMPILE_VARIANTS["attn_bwd.cu"]
+    assert plan.dkdv in bwd.HOT_VARIANTS
+    d, bm, bn = plan.head_dim, plan.dkdv_block_m, plan.dkdv_block_n
+    # K, V; two stages of Q, dO; P^T and dS^T (bn x (bm + 8)); two stages of lse2, delta
+    assert plan.dkdv_smem == (2 * bn * (d + 8) + 4 * bm * (d + 8) + 2 * bn * (bm + 8)) * 2 + (
+        4 * bm * 4
+    )
+    assert plan.dkdv_smem <= 227 * 1024
+    assert bwd.flex_plan(kind, e, ev, variant="v4") == bwd.flex_plan(kind, e, ev, variant="v2")
+
+
+@pytest.mark.parametrize("d,variant", [(64, "v2"), (128, "v2"), (64, "v4"), (128, "v4")])
+def test_v2_tiles_cover_allowed_pairs(d, variant):
+    """v2's and v4's tiles (128 keys per block; 64-row query steps, v4 128 at D = 64)
+    through the same schedule mirrors, at sizes where several of each meet
+    causal/window/length edges."""
+    from arrayattn.attention.cuda import backward as bwd
+
+    plan = bwd.backward_plan("float16", d, d, variant=variant)
     bn, bm = plan.dkdv_block_n, plan.dkdv_block_m
     rng = np.random.default_rng(d)
     for _ in range(60):

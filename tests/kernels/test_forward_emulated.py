@@ -32,6 +32,7 @@ from arrayattn.attention.cuda.tiles import (
     is_heavy,
     tc_row_tiles,
     tile_config,
+    tile_config_tf32,
     tile_config_v2,
 )
 from arrayattn.attention.dropout import dropout_keep, dropout_threshold
@@ -65,7 +66,7 @@ class Case:
     mt: int | None = None  # tensor-core row tiles per warp (None: the default)
     sinks: bool = False  # gpt-oss sinks, one logit per (batch, head)
     alibi: bool = False  # ALiBi slopes, one per (batch, head)
-    variant: str = "v1"  # forward kernel variant (ARRAYATTN_FWD_VARIANT): v1 or v2
+    variant: str = "v1"  # forward kernel variant (ARRAYATTN_FWD_VARIANT): v1, v2 or v3
     k_boost: int = 0  # the first k_boost keys scaled by 4: row maxima early, later tiles
     # mostly raise none (v2's rescale skip)
     extra: dict = field(default_factory=dict, hash=False, compare=False)
@@ -82,7 +83,7 @@ class Case:
 
     @property
     def kernel(self) -> str:
-        if self.variant == "v2":
+        if self.variant in ("v2", "v3"):
             launch = forward_launch(
                 self.kind,
                 self.d,
@@ -91,9 +92,9 @@ class Case:
                 self.mask_kind,
                 self.alibi,
                 1.0 / math.sqrt(self.d),
-                "v2",
+                self.variant,
             )
-            assert launch.variant == "v2", f"v2 declines {self}"  # the case must run v2
+            assert launch.variant == self.variant, f"{self.variant} declines {self}"
             return launch.name
         return forward_kernel_name(
             self.kind,
@@ -307,6 +308,31 @@ V2_CASES = {
 }
 CASES.update(V2_CASES)
 
+# aa_fwd_tf32 (float32 on tensor cores as three TF32 products, ARRAYATTN_FWD_VARIANT=v3):
+# 64 x 64 tiles at D = 64, 64 x 32 at D = 128; float32's tolerance (1e-5) holds it to
+# float accuracy, which a single TF32 product (about 1e-3) would fail.
+TF32_CASES = {
+    "v3_f32_d64_gqa_bshd_ragged": Case(
+        "float32", 64, Hq=4, Hkv=2, L=150, S=141, bshd=True, variant="v3"
+    ),
+    "v3_f32_d128_causal_br_lengths_rescale": Case(
+        "float32", 128, B=2, Hq=1, L=70, S=200, causal=True, bottom_right=True,
+        q_lens=(70, 33), kv_lens=(200, 150), k_boost=64, variant="v3",
+    ),
+    "v3_f32_d128_window_boolmask_empty_rows": Case(
+        "float32", 128, Hq=2, L=100, S=75, window=(30, 10), mask_kind=1, mask_h=False,
+        variant="v3",
+    ),
+    "v3_f32_d64_sinks_alibi_softcap_floatmask": Case(
+        "float32", 64, B=2, Hq=2, Hkv=1, L=90, S=130, causal=True, softcap=2.0, mask_kind=2,
+        sinks=True, alibi=True, variant="v3",
+    ),
+    "v3_f32_d64_no_key_tiles": Case(
+        "float32", 64, B=2, Hq=1, L=140, S=90, q_lens=(140, 20), kv_lens=(0, 90), variant="v3"
+    ),
+}  # fmt: skip
+CASES.update(TF32_CASES)
+
 _STORAGE = {
     "float16": np.float16,
     "bfloat16": np.uint16,
@@ -318,6 +344,8 @@ _STORAGE = {
 def _cfg_struct(kind: str, d: int, mt: int | None, variant: str = "v1") -> str:
     if variant == "v2":
         return f"AaTc2Cfg<{d}>"
+    if variant == "v3" and kind == "float32":
+        return f"AaTf32Cfg<{d}>"
     if kind in ("float16", "bfloat16"):
         return f"AaTcCfg<{d}, {mt}>"
     return f"AaSimtCfg<{'double' if kind == 'float64' else 'float'}, {d}>"
@@ -521,6 +549,8 @@ def _launch_config(case: Case) -> TileConfig:
     """The launch shape fused.py would use for ``case``'s kernel."""
     if case.variant == "v2":
         return tile_config_v2(case.d)
+    if case.variant == "v3":
+        return tile_config_tf32(case.d)
     return tile_config(case.kind, case.d, case.row_tiles)
 
 
@@ -681,6 +711,9 @@ _RACE_CASES = {
     "v2_f16_d64_gqa": Case("float16", 64, Hq=2, Hkv=1, L=140, S=150, bshd=True, variant="v2"),
     "v2_f16_d64_causal": Case("float16", 64, Hq=1, L=140, S=140, causal=True, variant="v2"),
     "v2_f16_d64_no_key_tiles": CASES["v2_f16_d64_no_key_tiles"],
+    # v3 (aa_fwd_tf32): the same one-barrier schedule in float; blocks with no key tile and
+    # a sequence of two key tiles.
+    "v3_f32_d64_no_key_tiles": CASES["v3_f32_d64_no_key_tiles"],
     # The CUDA-core kernels, float and double.
     "f32_d64_causal_gqa_softcap_dropout_bool": CASES["f32_d64_causal_gqa_softcap_dropout_bool"],
     "f64_d32_window_lengths_floatmask": CASES["f64_d32_window_lengths_floatmask"],
@@ -718,13 +751,16 @@ def test_forward_kernel_has_no_data_race(
 
 def _barrier_sites() -> list[tuple[int, str]]:
     """(occurrence, kernel) of every ``__syncthreads();`` in attn_fwd.cu (the kernels
-    appear in the order aa_fwd_tc, aa_fwd_tc2, aa_fwd_simt)."""
+    appear in the order aa_fwd_tc, aa_fwd_tc2, aa_fwd_simt, aa_fwd_tf32)."""
     text = (tsan.KERNELS / "attn_fwd.cu").read_text()
     tc2_start = text.index("aa_fwd_tc2(")
     simt_start = text.index("aa_fwd_simt(")
+    tf32_start = text.index("aa_fwd_tf32(")
     offsets = tsan.barrier_offsets("attn_fwd.cu")
 
     def kernel(pos: int) -> str:
+        if pos > tf32_start:
+            return "tf32"
         return "simt" if pos > simt_start else ("tc2" if pos > tc2_start else "tc")
 
     return [(i, kernel(pos)) for i, pos in enumerate(offsets)]
@@ -737,6 +773,7 @@ _MUTATION_CASE = {
     "tc": "f16_d64_no_key_tiles",
     "tc2": "v2_f16_d64_no_key_tiles",
     "simt": "f32_d64_causal_gqa_softcap_dropout_bool",
+    "tf32": "v3_f32_d64_no_key_tiles",
 }
 
 

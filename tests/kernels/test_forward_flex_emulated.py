@@ -156,6 +156,21 @@ def test_v2_document_causal_gqa_sinks(fake_cupy, monkeypatch) -> None:
 
 
 @pytest.mark.slow
+def test_v3_tf32_document_causal_gqa_sinks_lengths(fake_cupy, monkeypatch) -> None:
+    """aa_fwd_tf32 (v3, float32 on tensor cores) at D = 128 through fused.py: packed
+    documents (causal), GQA, sinks, per-batch lengths, block size (128, 64) over 64 x 32
+    tiles; float32's 1e-5 against float64."""
+    L = 300
+    bm = create_block_mask(
+        document_mask(_doc_ids(L, [20, 200, 50, 30]), causal=True), None, None, L, L,
+        block_size=(128, 64),
+    )  # fmt: skip
+    _run(monkeypatch, "v3", np.float32, 128, bm, B=2, Hq=2, Hkv=1, L=L, S=L, sinks=True,
+         q_lens=[300, 170], kv_lens=[300, 250],
+         want="aa_fwd_tf32<128, false, 4, false>")  # fmt: skip
+
+
+@pytest.mark.slow
 def test_v1_window_global_lengths_boolmask(fake_cupy, monkeypatch) -> None:
     """aa_fwd_tc (v1): sliding window + global tokens, ragged L = 300 / S = 280, per-batch
     lengths, GQA, and a dense bool mask ANDed (MASK = 1 | 4)."""
@@ -312,9 +327,10 @@ def test_declines_and_routes(fake_cupy, monkeypatch) -> None:
     assert "flex" in decode.declines(dec, False)
 
 
-def test_backward_goes_to_the_array_api_path(fake_cupy, monkeypatch) -> None:
-    """The backward kernels do not read block masks: FusedAttention.backward takes the
-    array-API backward for flex calls, whatever backward.declines says."""
+def test_backward_routing_of_block_masks(fake_cupy, monkeypatch) -> None:
+    """FusedAttention.backward sends a block-mask call to the backward kernels where
+    backward.declines takes it (the default since they ran on a GPU), and to the
+    array-API backward with ARRAYATTN_FLEX_BWD_KERNELS=0, whatever declines says."""
     from arrayattn.attention.cuda import backward as kernels_backward
     from arrayattn.flex import causal_mask
 
@@ -325,5 +341,8 @@ def test_backward_goes_to_the_array_api_path(fake_cupy, monkeypatch) -> None:
         fused.composed, "backward", lambda *a: calls.append("composed") or (None,) * 4
     )
     spec = _spec(create_block_mask(causal_mask, None, None, 256, 256))
+    monkeypatch.delenv(kernels_backward.FLEX_ENV, raising=False)
     fused.FUSED.backward(spec, *(None,) * 8)
-    assert calls == ["composed"]
+    monkeypatch.setenv(kernels_backward.FLEX_ENV, "0")
+    fused.FUSED.backward(spec, *(None,) * 8)
+    assert calls == ["kernel", "composed"]

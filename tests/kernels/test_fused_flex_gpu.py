@@ -2,10 +2,11 @@
 kernels' block table and partial-block bits (``cuda/flex_table.py``) against the NumPy
 composed path in float64, on v1 (``aa_fwd_tc``, ``aa_fwd_simt``) and v2 (``aa_fwd_tc2``);
 that ``"auto"`` takes the fused path and which kernel ran (a spy on the loader); ``vjp``
-(fused forward, array-API backward from the kernel's LSE) against NumPy; and a timing
-print of block mask vs dense mask on a packed 8-document batch (not asserted); and the
-backward kernels' block-mask instantiations (opt-in ``ARRAYATTN_FLEX_BWD_KERNELS=1``:
-v2 and the CUDA-core kernels, both dQ modes; a spy checks they ran) against NumPy float64.
+with the backward kernels opted out (``ARRAYATTN_FLEX_BWD_KERNELS=0``: fused forward,
+array-API backward from the kernel's LSE) against NumPy; a timing print of block mask vs
+dense mask on a packed 8-document batch (not asserted); and the backward kernels'
+block-mask instantiations (the default since they ran on an H100: v2 and the CUDA-core
+kernels, both dQ modes; a spy checks they ran) against NumPy float64.
 Skips cleanly without CuPy or without a CUDA device.
 
     python -m pytest tests/kernels/test_fused_flex_gpu.py -q -s
@@ -90,14 +91,17 @@ _CASES = {
 
 
 # (case, dtype, forward variant, head dim): every case on every kernel family at D = 64
-# (v2 aa_fwd_tc2, v1 aa_fwd_tc, aa_fwd_simt float and double), and v2 at D = 128 (v1 with
-# the dense bool mask there), one NVRTC compile per kernel variant.
+# (v2 aa_fwd_tc2, v1 aa_fwd_tc, aa_fwd_simt float and double, v3 aa_fwd_tf32), and v2 and
+# v3 at D = 128 (v1 with the dense bool mask there in float16), one NVRTC compile per
+# kernel variant.
 _RUNS = [
     (case, dtype, variant, 64)
     for case in _CASES
     for dtype, variant in (("float16", "v2"), ("float16", "v1"), ("float32", "v1"),
-                           ("float64", "v1"))
-] + [(case, "float16", "v2", 128) for case in ("document", "window_global")]  # fmt: skip
+                           ("float64", "v1"), ("float32", "v3"))
+] + [(case, "float16", "v2", 128) for case in ("document", "window_global")] + [
+    (case, "float32", "v3", 128) for case in ("document", "window_global")
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("case,dtype,variant,E", _RUNS)
@@ -142,6 +146,8 @@ def test_block_mask_matches_numpy(case, dtype, variant, E, launched, monkeypatch
     ), launched
     if variant == "v2" and (E == 64 or "attn_mask" not in opts):  # (v2: dense masks at 64)
         assert all(n.startswith("aa_fwd_tc2<") for n in launched), launched
+    if variant == "v3":  # float32 on tensor cores, every mask kind
+        assert all(n.startswith("aa_fwd_tf32<") for n in launched), launched
     assert len(bm._tables) == 1  # the table was built once, on this device
     out_np = cp.asnumpy(out).astype(np.float64)
     lse_np = cp.asnumpy(lse).astype(np.float64)
@@ -182,9 +188,10 @@ def test_auto_takes_the_fused_path(launched) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_vjp_fused_forward_array_api_backward(dtype, launched, monkeypatch) -> None:
-    """vjp with a block mask: the fused forward kernel (spy), the array-API backward from
-    its LSE (the backward kernels are never called), gradients against NumPy float64."""
-    monkeypatch.delenv(kernels_backward.FLEX_ENV, raising=False)  # the default: not opted in
+    """vjp with a block mask, the backward kernels opted out: the fused forward kernel
+    (spy), the array-API backward from its LSE (the backward kernels are never called),
+    gradients against NumPy float64."""
+    monkeypatch.setenv(kernels_backward.FLEX_ENV, "0")  # opted out of the backward kernels
     bwd_calls: list[int] = []
     real_bwd = kernels_backward.backward
     monkeypatch.setattr(
@@ -235,11 +242,11 @@ _GRAD_TOL = {"float16": 2e-2, "float32": 4e-5}  # (the emulated tests' bounds)
 @pytest.mark.parametrize("case,dtype,deterministic", _BWD_RUNS)
 def test_backward_kernels_with_block_masks(case, dtype, deterministic, launched,
                                            monkeypatch) -> None:  # fmt: skip
-    """ARRAYATTN_FLEX_BWD_KERNELS=1: vjp with a block mask runs the backward kernels' FLEX
-    instantiations (spy: the dK/dV kernel, and the dQ kernel in deterministic mode, with
-    the last template argument ``true``); out, dq, dk, dv against NumPy float64 (the
-    composed path on the same rounded inputs)."""
-    monkeypatch.setenv(kernels_backward.FLEX_ENV, "1")
+    """By default (ARRAYATTN_FLEX_BWD_KERNELS unset) vjp with a block mask runs the
+    backward kernels' FLEX instantiations (spy: the dK/dV kernel, and the dQ kernel in
+    deterministic mode, with the last template argument ``true``); out, dq, dk, dv
+    against NumPy float64 (the composed path on the same rounded inputs)."""
+    monkeypatch.delenv(kernels_backward.FLEX_ENV, raising=False)
     B, Hq, Hkv, L, S, extra = _CASES[case]
     E = 64
     rng = np.random.default_rng(abs(hash((case, dtype))) % 2**32)

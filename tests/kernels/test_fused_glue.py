@@ -38,6 +38,9 @@ def _cfg(name: str) -> str:
     m2 = re.match(r"aa_fwd_tc2<\s*\d+\s*,\s*(\d+)", name)  # v2: AaTc2Cfg<D>
     if m2:
         return f"AaTc2Cfg<{m2.group(1)}>"
+    m3 = re.match(r"aa_fwd_tf32<\s*(\d+)", name)  # v3 float32: AaTf32Cfg<D>
+    if m3:
+        return f"AaTf32Cfg<{m3.group(1)}>"
     m = re.match(r"aa_fwd_(tc|simt)<\s*(\w+)\s*,\s*(\d+)\s*,\s*(\w+)", name)
     assert m, name
     kind, t, d, mt = m.groups()
@@ -288,6 +291,36 @@ def test_forward_variant_v2_float16(fake_cupy, monkeypatch, features) -> None:
     _check(q, k, k, mask, enable_gqa=True, is_causal=True, causal_align="bottom_right",
            q_lengths=np.array([70, 41]), kv_lengths=np.array([150, 90]), **kw)  # fmt: skip
     assert launched and all(n.startswith(f"aa_fwd_tc2<0, {e},") for n in launched), launched
+
+
+@pytest.mark.parametrize("features", [False, True])
+def test_forward_variant_v3_float32(fake_cupy, monkeypatch, features) -> None:
+    """ARRAYATTN_FWD_VARIANT=v3 through fused.py: float32 runs aa_fwd_tf32 (three TF32
+    products per product) at D = 128 (strided rows, GQA, causal bottom-right, lengths) and,
+    with sinks, ALiBi, softcap and a float mask, at D = 64; float32's 1e-5 against the
+    composed path; dropout stays on aa_fwd_simt."""
+    monkeypatch.setenv("ARRAYATTN_FWD_VARIANT", "v3")
+    launched: list[str] = []
+    real = _loader.get_kernel
+    monkeypatch.setattr(
+        _loader, "get_kernel", lambda f, n, smem=0: launched.append(n) or real(f, n, smem)
+    )
+    rng = np.random.default_rng()
+    e = 64 if features else 128
+    q = rng.standard_normal((2, 70, 4, e)).astype(np.float32).transpose(0, 2, 1, 3)
+    k = rng.standard_normal((2, 2, 150, e)).astype(np.float32)
+    kw: dict = {}
+    mask = None
+    if features:
+        mask = rng.standard_normal((70, 150)).astype(np.float32)
+        kw = dict(sinks=rng.standard_normal(4).astype(np.float32),
+                  alibi_slopes=2.0 ** -np.arange(1, 5), softcap=3.0)  # fmt: skip
+    _check(q, k, k, mask, enable_gqa=True, is_causal=True, causal_align="bottom_right",
+           q_lengths=np.array([70, 41]), kv_lengths=np.array([150, 90]), **kw)  # fmt: skip
+    assert launched and all(n.startswith(f"aa_fwd_tf32<{e},") for n in launched), launched
+    launched.clear()
+    _check(q, k, k, enable_gqa=True, dropout_p=0.2, seed=5)
+    assert launched and all(n.startswith("aa_fwd_simt<float,") for n in launched), launched
 
 
 def test_sinks_alibi_broadcast_float64(fake_cupy) -> None:

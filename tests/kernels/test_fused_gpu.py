@@ -36,16 +36,18 @@ def _poison(monkeypatch):
     monkeypatch.setattr(fused, "POISON_OUTPUTS", True)
 
 
-@pytest.fixture(autouse=True, params=["v1", "v2"])
+@pytest.fixture(autouse=True, params=["v1", "v2", "v3"])
 def fwd_variant(request, monkeypatch) -> str:
     """Every test runs on the v1 forward kernels and again with ARRAYATTN_FWD_VARIANT=v2
-    (the default: aa_fwd_tc2 where tiles.v2_declines lets it run, v1 elsewhere). v2
-    changes only float16/bfloat16 calls, so the v2 run of a float32 or float64 case is
-    skipped."""
+    (the default: aa_fwd_tc2 where tiles.v2_declines lets it run, v1 elsewhere) and v3
+    (v2, and float32 through aa_fwd_tf32). v2 changes only float16/bfloat16 calls and v3
+    only float32 ones beyond v2, so the other runs are skipped."""
     callspec = getattr(request.node, "callspec", None)
     dtype = callspec.params.get("dtype") if callspec is not None else None
     if request.param == "v2" and dtype is not None and "16" not in str(dtype):
         pytest.skip("v2 is a float16/bfloat16 variant")
+    if request.param == "v3" and (dtype is None or "float32" not in str(dtype)):
+        pytest.skip("v3 differs from v2 in float32 calls only")
     monkeypatch.setenv("ARRAYATTN_FWD_VARIANT", request.param)
     return request.param
 
@@ -240,6 +242,24 @@ def test_forward_variant_runs_its_kernel(monkeypatch, fwd_variant, causal) -> No
     )
     _run_case(np.float16, 2, 4, 2, 1000, 1000, 128, seed_data=13, is_causal=causal)
     want = "aa_fwd_tc2<0, 128," if fwd_variant == "v2" else "aa_fwd_tc<0, 128,"
+    assert any(n.startswith(want) for n in names), names
+
+
+@pytest.mark.parametrize("dtype", [np.float32])
+@pytest.mark.parametrize("E", [64, 128])
+def test_float32_variant_runs_its_kernel(monkeypatch, fwd_variant, dtype, E) -> None:
+    """float32 at D = 64/128 runs aa_fwd_tf32 under v3 (three TF32 products per product)
+    and aa_fwd_simt under v1, at float32's 1e-5 against float64 (several key tiles,
+    causal block skipping, ragged tails)."""
+    from arrayattn.attention.cuda import _loader
+
+    names: list[str] = []
+    real = _loader.get_kernel
+    monkeypatch.setattr(
+        _loader, "get_kernel", lambda f, n, smem=0: names.append(n) or real(f, n, smem)
+    )
+    _run_case(dtype, 2, 4, 2, 1000, 1000, E, seed_data=17, is_causal=True)
+    want = f"aa_fwd_tf32<{E}," if fwd_variant == "v3" else f"aa_fwd_simt<float, {E},"
     assert any(n.startswith(want) for n in names), names
 
 

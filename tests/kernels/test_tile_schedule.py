@@ -198,9 +198,13 @@ def test_v2_fits_two_blocks_per_sm() -> None:
 
 def test_forward_variant_switch(monkeypatch) -> None:
     monkeypatch.delenv("ARRAYATTN_FWD_VARIANT", raising=False)
-    assert tiles.forward_variant() == tiles.DEFAULT_FWD_VARIANT == "v2"  # measured faster
+    assert tiles.forward_variant() == tiles.DEFAULT_FWD_VARIANT == "v3"  # measured faster
     monkeypatch.setenv("ARRAYATTN_FWD_VARIANT", "")
-    assert tiles.forward_variant() == "v2"
+    assert tiles.forward_variant() == "v3"
+    assert forward_launch("float32", 128, False, False, 0, False, 0.1).name.startswith(
+        "aa_fwd_tf32<128,"
+    )
+    assert forward_launch("float16", 128, False, False, 0, False, 0.1).variant == "v2"
     monkeypatch.setenv("ARRAYATTN_FWD_VARIANT", "v1")
     assert tiles.forward_variant() == "v1"
     assert forward_launch("float16", 128, False, False, 0, False, 0.1).variant == "v1"
@@ -211,7 +215,31 @@ def test_forward_variant_switch(monkeypatch) -> None:
     with pytest.raises(ValueError, match="ARRAYATTN_FWD_VARIANT"):
         tiles.forward_variant()
     with pytest.raises(ValueError, match="variant"):
-        forward_launch("float16", 128, False, False, 0, False, 0.1, "v3")
+        forward_launch("float16", 128, False, False, 0, False, 0.1, "v9")
+
+
+@pytest.mark.parametrize("kind", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_v3_is_v2_with_float32_on_tensor_cores(kind, d) -> None:
+    """v3 runs aa_fwd_tf32 where tf32_declines says so (float32 at D = 64/128, no dropout,
+    scale > 0), with a compiled instantiation (block masks included); every other call gets
+    exactly v2's launch."""
+    compiled = set(tiles.COMPILE_VARIANTS["attn_fwd.cu"])
+    for softcap, dropout, mask, alibi in _FLAGS:
+        for scale in (0.125, 0.0):
+            for flex in (0, 4):
+                mk = mask | flex
+                v2 = forward_launch(kind, d, softcap, dropout, mk, alibi, scale, "v2")
+                v3 = forward_launch(kind, d, softcap, dropout, mk, alibi, scale, "v3")
+                if tiles.tf32_declines(kind, d, dropout, scale) is not None:
+                    assert v3 == v2
+                    continue
+                assert kind == "float32" and d in tiles.TF32_HEAD_DIMS
+                assert not dropout and scale > 0
+                assert v3.variant == "v3" and v3.config == tiles.tile_config_tf32(d)
+                assert v3.name == tiles.forward_kernel_name_tf32(d, softcap, mk, alibi)
+                if (softcap, mk, alibi) in ((False, 0, False), (False, 4, False)):
+                    assert v3.name in compiled
 
 
 _FLAGS = [

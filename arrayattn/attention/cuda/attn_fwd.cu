@@ -9,6 +9,8 @@
 //       accumulation (and softmax, and LSE) in T.
 //   aa_fwd_tc2<DT, D, SOFTCAP, MASK, ALIBI>   the tensor-core kernel's variant 2 (128 x 64
 //       tiles, one barrier per key tile; ARRAYATTN_FWD_VARIANT=v2, see its section).
+//   aa_fwd_tf32<D, SOFTCAP, MASK, ALIBI>   float on tensor cores, each product as three
+//       TF32 products (float accuracy; ARRAYATTN_FWD_VARIANT=v3, see its section).
 // D (head dim of Q, K and V) is one of 32, 64, 96, 128, 256; the host pads other sizes.
 // Runtime options (null pointers when absent; contiguous (batch, Hq) in the accumulation
 // type, indexed blockIdx.z * gridDim.y + head): sinks, gpt-oss logits folded into each
@@ -311,6 +313,24 @@ AA_DEV aa_u32 aa_pack2(float lo, float hi) {
         asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
     }
     return r;
+}
+
+// aa_fwd_tf32's operands: x rounded to TF32 (10 mantissa bits, to nearest, ties away from
+// zero, the low 13 bits cleared; infinities and NaN stay what they are) by integer
+// arithmetic, so the value is exact in a float and x - big is exact too; big + small is x
+// to about 2^-22 relative.
+AA_DEV aa_u32 aa_tf32_round(float x) { return (__float_as_uint(x) + 0x1000u) & 0xFFFFE000u; }
+AA_DEV void aa_split_tf32(float x, aa_u32& big, aa_u32& small) {
+    big = aa_tf32_round(x);
+    small = aa_tf32_round(x - __uint_as_float(big));
+}
+// c += a (16x8, row) * b (8x8, col) in TF32, f32 accumulators.
+AA_DEV void aa_mma_tf32(float (&c)[4], const aa_u32 (&a)[4], aa_u32 b0, aa_u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 #endif  // AA_FWD_EMULATION
 
@@ -1280,6 +1300,315 @@ __global__ void __launch_bounds__(AaSimtCfg<T, D>::NT, AaSimtCfg<T, D>::MIN_BLOC
                 og[(long long)(sq.row_base + row) * o_sr + tx + 16 * c] = acc[r][c] * inv;
             if (tx == 0)
                 lg[row] = l > (T)0 ? (m + log2(l)) * (T)AA_LN2 : aa_neg_inf<T>();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// float32 on tensor cores: three TF32 products per product (ARRAYATTN_FWD_VARIANT=v3)
+// ---------------------------------------------------------------------------------------
+// aa_fwd_tc2's algorithm and argument list for float inputs. Each float operand x is split
+// into big = tf32(x) and small = tf32(x - big) (aa_split_tf32), and a * b is summed as
+// small_a big_b + big_a small_b + big_a big_b by mma.sync.m16n8k8.tf32 with float
+// accumulators; the dropped small_a small_b term is below 2^-22 of the product, so the
+// result has float accuracy (the tests hold it to the CUDA-core kernel's 1e-5) at tensor
+// core rates. Fragments (m16n8k8 .tf32, g = lane / 4, t = lane % 4):
+//   A 16x8: a0 (g, t), a1 (g+8, t), a2 (g, t+4), a3 (g+8, t+4)
+//   B 8x8:  b0 (k = t, n = g), b1 (k = t+4, n = g)
+//   C 16x8: c0, c1 (g, 2t..2t+1), c2, c3 (g+8, 2t..2t+1) (as m16n8k16)
+// P @ V takes P straight from the S accumulators: inside each 8-key n-tile the product's
+// k index is permuted (k = t is key 2t, k = t + 4 is key 2t + 1), and the V fragment
+// follows it (b0 = V[key 2t][n], b1 = V[key 2t + 1][n]); a sum over keys does not care.
+// 64 query rows per block (4 warps x 16), BN keys per tile (64 at D = 64, 32 at D = 128),
+// Q plus two stages of K and V in shared memory with a row pitch of D + 4 floats (every
+// fragment load is free of bank conflicts), two blocks per SM; one barrier per key tile
+// with K[n+1]/V[n+1] copied right after it (as aa_fwd_tc2). Masks, windows, both causal
+// alignments, lengths, GQA, sinks, ALiBi, softcap and block masks as aa_fwd_tc2; no
+// dropout (aa_fwd_simt runs it). An infinite Q, K or V value that takes part gives NaN
+// here (x - big is inf - inf), where the CUDA-core kernel gives +-inf.
+template <int D>
+struct AaTf32Cfg {
+    static constexpr int BM = 64;                  // query rows per block
+    static constexpr int BN = D <= 64 ? 64 : 32;   // keys per tile
+    static constexpr int NT = 128;                 // 4 warps x 16 rows
+    static constexpr int DP = D + 4;               // smem row pitch (floats)
+    static constexpr int MIN_BLOCKS = 2;
+    static constexpr int SMEM = (BM + 4 * BN) * DP * 4;  // Q + 2 stages of K and V
+};
+
+// An R x D float tile (row stride rs) into smem rows of pitch DP as 16-byte copies; rows
+// >= nvalid are zero-filled from `safe`. NT is a multiple of D / 4 (whole rows per pass),
+// so a thread's source pointer advances by a fixed stride.
+template <int R, int D, int DP, int NT>
+AA_DEV void aa_tile_async_f32(aa_u32 sbase, const float* g, long long rs, int nvalid,
+                              const float* safe, int tid) {
+    constexpr int CPR = D / 4;
+    static_assert(NT % CPR == 0 && (R * CPR) % NT == 0, "whole rows per pass");
+    constexpr int RSTEP = NT / CPR, ITERS = R * CPR / NT;
+    const int row0 = tid / CPR, kc = tid - row0 * CPR;
+    const float* p = g + row0 * rs + kc * 4;
+    const long long step = RSTEP * rs;
+    const aa_u32 sdst = sbase + (aa_u32)((row0 * DP + kc * 4) * 4);
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+        const bool valid = row0 + it * RSTEP < nvalid;
+        aa_cp_async16(sdst + (aa_u32)(it * RSTEP * DP * 4), valid ? p : safe, valid);
+        p += step;
+    }
+}
+
+template <int D, bool SOFTCAP, int MASK, bool ALIBI>
+__global__ void __launch_bounds__(AaTf32Cfg<D>::NT, AaTf32Cfg<D>::MIN_BLOCKS)
+    aa_fwd_tf32(AA_FWD_ARGS(float, float)) {
+    using C = AaTf32Cfg<D>;
+    constexpr int BM = C::BM, BN = C::BN, DP = C::DP, NT = C::NT;
+    constexpr int NS = BN / 8;  // S n-tiles
+    constexpr int NO = D / 8;   // O n-tiles
+    constexpr int KS = D / 8;   // k-steps of Q K^T
+    constexpr bool RAW = !SOFTCAP && (MASK & 3) == 0 && !ALIBI;
+    constexpr int STAGE = BN * DP;  // floats per K or V stage
+
+    const int b = blockIdx.z, h = blockIdx.y;
+    const AaSeq sq = aa_sequence(b, q_lens, kv_lens, cu_q, cu_k, L, S, diag);
+    const long long bh = (long long)b * gridDim.y + h;
+    float slope2 = 0.f;
+    if constexpr (ALIBI) slope2 = alibi[bh] * (float)AA_LOG2E;
+    const int r0 = (gridDim.x - 1 - blockIdx.x) * BM;  // late (causally heavy) blocks first
+    if (r0 >= sq.rows_store) return;
+    const int rows_valid = sq.q_len - r0;  // may be <= 0 (padding rows only)
+
+    int lo, hi;
+    aa_key_range(r0, r0 + (rows_valid < BM ? rows_valid : BM), sq.offset, left, right,
+                 sq.kv_len, lo, hi);
+    const int n_begin = lo / BN;
+    const int n_end = hi > lo ? (hi + BN - 1) / BN : n_begin;
+    constexpr bool FLEX = (MASK & AA_MASK_FLEX) != 0;
+    int fcur = 0;
+    int n = n_begin;
+    if constexpr (FLEX) n = aa_flex_first<BN>(flex, b, h, r0, n_begin, n_end, fcur);
+    const int n_first = n;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+
+    float* sQ = reinterpret_cast<float*>(aa_smem);
+    float* sK = sQ + BM * DP;       // 2 stages
+    float* sV = sK + 2 * STAGE;     // 2 stages
+    const aa_u32 sQa = aa_smem_u32(sQ);
+    const aa_u32 sKa = aa_smem_u32(sK);
+    const aa_u32 sVa = aa_smem_u32(sV);
+
+    const float* qg = q + sq.tb * q_sb + h * q_sh + (long long)(sq.row_base + r0) * q_sr;
+    const int kvh = h / G;
+    const float* kg = k + sq.tb * k_sb + kvh * k_sh + (long long)sq.col_base * k_sr;
+    const float* vg = v + sq.tb * v_sb + kvh * v_sh + (long long)sq.col_base * v_sr;
+
+    aa_tile_async_f32<BM, D, DP, NT>(sQa, qg, q_sr, rows_valid, q, tid);
+    if (n_first < n_end) {
+        const int c0 = n_first * BN;
+        aa_tile_async_f32<BN, D, DP, NT>(sKa, kg + c0 * k_sr, k_sr, sq.kv_len - c0, k, tid);
+        aa_tile_async_f32<BN, D, DP, NT>(sVa, vg + c0 * v_sr, v_sr, sq.kv_len - c0, v, tid);
+    }
+    aa_cp_commit();
+
+    float acc_o[NO][4];
+    float m_r[2], l_r[2];  // running row max (log2 domain, scaled) and partial sums
+#pragma unroll
+    for (int i = 0; i < NO; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
+    m_r[0] = m_r[1] = aa_neg_inf_f();
+    l_r[0] = l_r[1] = 0.f;
+    const float mul = RAW ? scale_log2 : 1.f;
+    const int row_w = r0 + warp * 16 + g;  // this thread's rows: row_w and row_w + 8
+    const float* qw = sQ + (warp * 16 + g) * DP + t;  // A elements (g, t) of k-step 0
+
+    for (int it = 0; n < n_end; ++it) {
+        const int n_next = FLEX ? aa_flex_next<BN>(flex, fcur, n, n_end) : n + 1;
+        const int stage = ((FLEX ? it : n - n_begin) & 1) * STAGE;
+        aa_cp_wait<0>();  // this thread's copies of K[n] and V[n] (and Q) have landed
+        __syncthreads();  // ... every thread's; and tile n - 1's stage is no longer read
+        if (n_next < n_end) {
+            const int c1 = n_next * BN;
+            const aa_u32 other = (aa_u32)((STAGE - stage) * 4);
+            aa_tile_async_f32<BN, D, DP, NT>(sKa + other, kg + c1 * k_sr, k_sr, sq.kv_len - c1,
+                                             k, tid);
+            aa_tile_async_f32<BN, D, DP, NT>(sVa + other, vg + c1 * v_sr, v_sr, sq.kv_len - c1,
+                                             v, tid);
+        }
+        aa_cp_commit();
+
+        // S = Q K^T: per k-step the warp's A fragment (split once) against each n-tile's
+        // K fragment, three TF32 products each (the small terms first).
+        float s[1][NS][4];
+#pragma unroll
+        for (int i = 0; i < NS; ++i) s[0][i][0] = s[0][i][1] = s[0][i][2] = s[0][i][3] = 0.f;
+        const float* kw = sK + stage + g * DP + t;  // B elements (k = t, n = g)
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            aa_u32 ab[4], as[4];
+            aa_split_tf32(qw[ks * 8], ab[0], as[0]);
+            aa_split_tf32(qw[8 * DP + ks * 8], ab[1], as[1]);
+            aa_split_tf32(qw[ks * 8 + 4], ab[2], as[2]);
+            aa_split_tf32(qw[8 * DP + ks * 8 + 4], ab[3], as[3]);
+#pragma unroll
+            for (int nt = 0; nt < NS; ++nt) {
+                aa_u32 bb0, bs0, bb1, bs1;
+                aa_split_tf32(kw[nt * 8 * DP + ks * 8], bb0, bs0);
+                aa_split_tf32(kw[nt * 8 * DP + ks * 8 + 4], bb1, bs1);
+                aa_mma_tf32(s[0][nt], as, bb0, bb1);
+                aa_mma_tf32(s[0][nt], ab, bs0, bs1);
+                aa_mma_tf32(s[0][nt], ab, bb0, bb1);
+            }
+        }
+
+        // Element e of n-tile nt: row row_w + 8 (e >> 1), key c0 + nt * 8 + 2 t + (e & 1).
+        const int c0 = n * BN;
+        const bool full = r0 + BM <= sq.q_len &&
+                          aa_block_full(r0, r0 + BM, c0, c0 + BN, sq.offset, left, right, sq.kv_len);
+        if constexpr (RAW) {
+            if (!full) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    aa_u32 base, span;
+                    aa_row_keys(row_w + 8 * half, sq.q_len, sq.offset, left, right, sq.kv_len,
+                                c0 + 2 * t, base, span);
+#pragma unroll
+                    for (int nt = 0; nt < NS; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const bool ok = base + (aa_u32)(nt * 8 + e) <= span;
+                            float& x = s[0][nt][2 * half + e];
+                            x = ok ? x : aa_neg_inf_f();
+                        }
+                }
+            }
+        } else {
+            const long long m_base = sq.tb * m_sb + h * m_sh;
+#pragma unroll
+            for (int nt = 0; nt < NS; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int i = row_w + 8 * (e >> 1);
+                    const int j = c0 + nt * 8 + 2 * t + (e & 1);
+                    const bool ok =
+                        full || (i < sq.q_len && aa_allowed(i, j, sq.offset, left, right, sq.kv_len));
+                    float x = aa_neg_inf_f();
+                    if (ok) {
+                        const long long m_off = m_base + (long long)(sq.row_base + i) * m_sr +
+                                                (long long)(sq.col_base + j) * m_sc;
+                        x = aa_score<float, SOFTCAP, MASK>(s[0][nt][e], scale_log2, scale,
+                                                           softcap, inv_softcap, mask, m_off);
+                        if constexpr (ALIBI) x -= slope2 * (float)aa_alibi_dist(i, j, sq.offset);
+                    }
+                    s[0][nt][e] = x;
+                }
+        }
+        if constexpr (FLEX) {  // a partial mask block: its bits (-inf stays -inf raw)
+            if (flex[fcur + 1] >= 0)
+                aa_flex_mask_frag<1, NS>(s, aa_flex_words<BN>(flex, fcur, r0, row_w, c0),
+                                         flex[AA_FLEX_WPR], t);
+        }
+
+        // Online softmax (4 threads share a row), as aa_fwd_tc2.
+        float m_use[2], alpha[2];
+        bool grew = false;
+        {
+            float mx[2] = {aa_neg_inf_f(), aa_neg_inf_f()};
+#pragma unroll
+            for (int nt = 0; nt < NS; ++nt) {
+                mx[0] = fmaxf(mx[0], fmaxf(s[0][nt][0], s[0][nt][1]));
+                mx[1] = fmaxf(mx[1], fmaxf(s[0][nt][2], s[0][nt][3]));
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                const float m_old = m_r[r];
+                const float m_new = fmaxf(m_old, mx[r] * mul);  // mul > 0: max commutes
+                const bool up = m_new > m_old;
+                grew = grew || up;
+                m_use[r] = m_new == aa_neg_inf_f() ? 0.f : m_new;
+                alpha[r] = up ? aa_exp2(m_old - m_use[r]) : 1.f;
+                m_r[r] = m_new;
+                l_r[r] *= alpha[r];
+            }
+        }
+        if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+            for (int i = 0; i < NO; ++i) {
+                acc_o[i][0] *= alpha[0];
+                acc_o[i][1] *= alpha[0];
+                acc_o[i][2] *= alpha[1];
+                acc_o[i][3] *= alpha[1];
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NS; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = aa_exp2(fmaf(s[0][nt][e], mul, -m_use[e >> 1]));
+                l_r[e >> 1] += p;
+                s[0][nt][e] = p;
+            }
+
+        // O += P V, P from the accumulators in the permuted k order. The tile's products
+        // go into a zeroed accumulator per 8 output columns, added to O with a float add:
+        // the tensor cores' own accumulation rounds toward zero, and summed into O over
+        // every key tile that bias grew with L (5.8e-5 relative at L = 8192 on an H100);
+        // per tile it stays about 2^-21 and the adds round to nearest.
+        aa_u32 pb[NS][4], ps[NS][4];
+#pragma unroll
+        for (int kk = 0; kk < NS; ++kk) {
+            aa_split_tf32(s[0][kk][0], pb[kk][0], ps[kk][0]);  // (g, key 2t)
+            aa_split_tf32(s[0][kk][2], pb[kk][1], ps[kk][1]);  // (g + 8, key 2t)
+            aa_split_tf32(s[0][kk][1], pb[kk][2], ps[kk][2]);  // (g, key 2t + 1)
+            aa_split_tf32(s[0][kk][3], pb[kk][3], ps[kk][3]);  // (g + 8, key 2t + 1)
+        }
+        const float* vw = sV + stage + 2 * t * DP + g;
+#pragma unroll
+        for (int dn = 0; dn < NO; ++dn) {
+            float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int kk = 0; kk < NS; ++kk) {
+                aa_u32 vb0, vs0, vb1, vs1;
+                aa_split_tf32(vw[kk * 8 * DP + dn * 8], vb0, vs0);
+                aa_split_tf32(vw[(kk * 8 + 1) * DP + dn * 8], vb1, vs1);
+                aa_mma_tf32(part, ps[kk], vb0, vb1);
+                aa_mma_tf32(part, pb[kk], vs0, vs1);
+                aa_mma_tf32(part, pb[kk], vb0, vb1);
+            }
+            acc_o[dn][0] += part[0];
+            acc_o[dn][1] += part[1];
+            acc_o[dn][2] += part[2];
+            acc_o[dn][3] += part[3];
+        }
+        if constexpr (FLEX) aa_flex_advance<BN>(flex, fcur, n_next);
+        n = n_next;
+    }
+
+    // Epilogue: normalise once and write each thread's elements straight from registers
+    // (rows row_w and row_w + 8, columns 8 dn + 2 t and + 1); LSE = ln(2) (m + log2(l)),
+    // -inf for empty rows.
+    aa_cp_wait<0>();
+    float* og = o + sq.tb * o_sb + h * o_sh;
+    float* lg = lse + sq.tb * lse_sb + h * lse_sh + sq.row_base;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float l = l_r[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        float m = m_r[r];
+        float o_scale = 1.f;
+        if (sinks != nullptr) o_scale = aa_fold_sink(sinks[bh] * (float)AA_LOG2E, m, l);
+        const float inv_l = l > 0.f ? inv_keep * o_scale / l : 0.f;
+        const int row = row_w + 8 * r;
+        if (row < sq.rows_store) {
+            float* orow = og + (long long)(sq.row_base + row) * o_sr + 2 * t;
+#pragma unroll
+            for (int dn = 0; dn < NO; ++dn) {
+                orow[dn * 8] = acc_o[dn][2 * r] * inv_l;
+                orow[dn * 8 + 1] = acc_o[dn][2 * r + 1] * inv_l;
+            }
+            if (t == 0) lg[row] = l > 0.f ? (m + log2f(l)) * (float)AA_LN2 : aa_neg_inf_f();
         }
     }
 }

@@ -23,7 +23,7 @@ score matrices, else composed) from the same saved LSE. Three steps on the GPU:
 :func:`backward` also takes ``deterministic=`` per call.
 
 **Kernel variants** (``ARRAYATTN_BWD_VARIANT``, read at each call by :func:`bwd_variant`):
-``v1`` the kernels described above; ``v2`` (the default, :data:`DEFAULT_VARIANT`) the same
+``v1`` the kernels described above; ``v2`` the same
 tensor-core kernels with a cp.async pipeline (``aa_bwd_dkdv_mma2`` / ``aa_bwd_dq_mma2``:
 Q/dO/LSE/D, or K/V for the deterministic dQ, double-buffered, one barrier per step opening
 it, 64-row query steps run as register sub-steps). v2 covers float16/bfloat16 at the padded
@@ -34,7 +34,15 @@ of 8) runs v1's kernels under ``v2`` too (:func:`backward_plan` says which,
 warp's K/V MMA fragments held in registers across the whole query loop, 128-row query
 steps (half the barriers) and a fully unrolled S/dP loop, at padded head dim 64 only (with
 v2's deterministic dQ kernel); elsewhere ``v3`` runs v2's plan (or v1's). Its sums run in
-v2's order: deterministic gradients are v2's bits. See ``bench/BACKWARD_KERNEL_NOTES.md``.
+v2's order: deterministic gradients are v2's bits. ``v4`` (``attn_bwd_v4.cu``:
+``aa_bwd_dkdv_mma4``) tiles every product of the dK/dV kernel two-dimensionally over its 8
+warps as FlashAttention-2's backward does (S^T/dP^T by (keys x queries) warp tiles, P^T and
+dS^T through shared memory, dK/dV by 32-key warp slices, dQ by 32-row warp slices), at
+padded head dims 64 and 128 (float16/bfloat16, ``E``/``Ev`` multiples of 8), every option
+of v2 but block masks (``flex_plan`` gives v2's), with v2's deterministic dQ kernel; its
+dK/dV sums run in v2's order (deterministic gradients are v2's bits); elsewhere ``v4`` runs
+v2's plan (or v1's), as it does on a device whose blocks cannot have its 173-178 KB of
+shared memory (pre-Hopper parts). See ``bench/BACKWARD_KERNEL_NOTES.md``.
 
 **What runs in the kernels** (:func:`declines` gives the reason for anything else): CuPy
 arrays of float16 and bfloat16 (tensor cores, ``mma.sync`` m16n8k16, head dims up to 128;
@@ -49,16 +57,17 @@ after the kernels), ALiBi slopes (the bias recomputed per element from indices),
 ``attn_mask`` (additive bias) declines: its gradient is a
 dense ``L x S`` array, which the array-API backward computes.
 
-**Block masks** (``arrayattn.flex``; opt-in until they have run on a GPU:
-``ARRAYATTN_FLEX_BWD_KERNELS=1``, read at each call by :func:`flex_kernels_enabled`;
-unset, ``FusedAttention.backward`` runs the array-API backward for every flex call): the
+**Block masks** (``arrayattn.flex``; on by default since they ran on an H100 on
+2026-11-26; ``ARRAYATTN_FLEX_BWD_KERNELS=0``, read at each call by
+:func:`flex_kernels_enabled`, sends every flex call's backward to the array-API backward
+instead): the
 instantiations with a last template argument ``true`` (:func:`flex_plan`) read the block
 table of ``flex_table.py`` (cached on the ``BlockMask``, shared with the forward): the dQ
 kernel walks per query block the forward's list of non-empty key blocks, the dK/dV kernel
 per key block the transposed list (the non-empty query blocks), and partial blocks' bits
 are ANDed where the dense bool mask is. v2's kernels (float16/bfloat16 at head dims 64 and
 128) and the CUDA-core kernels (float32/float64, and 16-bit at head dim 256) have them,
-deterministic mode included; v3 runs v2's, v1's tensor-core kernels decline (the array-API
+deterministic mode included; v3 and v4 run v2's, v1's tensor-core kernels decline (the array-API
 backward runs those calls). No score_mod (declined), and each kernel tile must lie inside
 one mask block (``flex_table.backward_tiles_fit``).
 """
@@ -116,6 +125,8 @@ __all__ = [
 SOURCE = "attn_bwd.cu"
 SOURCE_V3 = "attn_bwd_v3.cu"
 """v3's dK/dV kernel (``aa_bwd_dkdv_mma3``); it includes ``attn_bwd.cu``."""
+SOURCE_V4 = "attn_bwd_v4.cu"
+"""v4's dK/dV kernel (``aa_bwd_dkdv_mma4``); it includes ``attn_bwd.cu``."""
 NULL = np.uint64(0)
 """A null pointer argument for the kernels (CuPy passes a numpy scalar by value)."""
 
@@ -128,16 +139,26 @@ _KIND_TYPES = {
 _GRID_YZ_MAX = 65535
 _SIMT_HEAD_DIMS = (32, 64, 128, 256)
 _MMA_HEAD_DIMS = (32, 64, 96, 128)
-VARIANTS = ("v1", "v2", "v3")
-"""The backward kernel variants ``ARRAYATTN_BWD_VARIANT`` selects (``v2`` the default)."""
+VARIANTS = ("v1", "v2", "v3", "v4")
+"""The backward kernel variants ``ARRAYATTN_BWD_VARIANT`` selects (``v4`` the default)."""
 
-DEFAULT_VARIANT = "v2"
-"""The kernels when ``ARRAYATTN_BWD_VARIANT`` is unset: ``v2``, since it ran on an NVIDIA
-H200 (2026-11-26, 08:31 UTC) correct in every GPU backward test (both variants, the
-deterministic mode bit-identical over 10 runs) and 1.22-1.66x v1's speed (float16,
-L = 4096: D = 128 114 TFLOP/s against 69; PyTorch's flash backend 285)."""
+DEFAULT_VARIANT = "v4"
+"""The kernels when ``ARRAYATTN_BWD_VARIANT`` is unset: ``v4``, since it ran on an NVIDIA
+H100 (2026-11-26, 14:23 UTC) correct in every v4 GPU backward test (36: gradients against
+float64, deterministic mode bit-identical, dK/dV equal to v2's bits), under
+compute-sanitizer's memcheck and racecheck, and through ``arrayattn.torch`` on CUDA
+tensors (28 gradient tests), at 2.3-3.0x v2's speed (float16, L = 4096, non-deterministic
+dQ: 185-231 TFLOP/s against 72-119; 0.78-0.85x PyTorch's flash backend). v4 runs v2's
+plan where it does not serve a call (block masks, devices without its shared memory,
+other dtypes and head dims). v2 became the default after an NVIDIA H200 run (08:31 UTC,
+1.22-1.66x v1)."""
 _V2_HEAD_DIMS = (64, 128)
 _V3_HEAD_DIMS = (64,)
+_V4_HEAD_DIMS = (64, 128)
+_V4_TILES = {64: (128, 128, 4, 32), 128: (64, 128, 4, 16)}
+"""v4's ``aa_bwd_dkdv_mma4`` tiles per head dim: (query rows per step BM, keys per block BN,
+warps along the keys of S^T WK, register sub-step of each warp's queries TQS); the largest
+that compile without spills on sm_90 (D = 64: 248 registers, D = 128: 255)."""
 
 _DETERMINISTIC: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "arrayattn_deterministic",
@@ -292,12 +313,31 @@ def _plan_v3(kind: str, d: int) -> BackwardPlan:
     )
 
 
+def _plan_v4(kind: str, d: int) -> BackwardPlan:
+    """The v4 plan at padded head dim ``d`` (64 or 128): ``aa_bwd_dkdv_mma4`` (FA2's warp
+    tiling, P^T/dS^T through shared memory) and v2's deterministic dQ kernel."""
+    t, _ = _KIND_TYPES[kind]
+    bm, bn, wk, tqs = _V4_TILES[d]
+    pitch = d + 8
+    return dataclasses.replace(
+        _plan_v2(kind, d),
+        dkdv=f"aa_bwd_dkdv_mma4<{t}, {d}, {bm}, {bn}, {wk}, {tqs}>",
+        dkdv_threads=256,
+        dkdv_block_n=bn,
+        dkdv_block_m=bm,
+        # K, V; two stages of Q, dO; P^T, dS^T; two stages of lse2, delta (AaBwdMma4Smem)
+        dkdv_smem=(2 * bn * pitch + 4 * bm * pitch + 2 * bn * (bm + 8)) * 2 + 4 * bm * 4,
+        variant="v4",
+    )
+
+
 def backward_plan(kind: str, e: int, ev: int, variant: str | None = None) -> BackwardPlan | None:
     """The backward kernels for dtype ``kind`` and head dims ``e`` (query/key) and ``ev``
     (value), or ``None`` when no variant holds them (both above 256). ``variant``
-    (``"v1"``/``"v2"``/``"v3"``; ``None``: :func:`bwd_variant`, the environment) picks the
+    (``"v1"``/``"v2"``/``"v3"``/``"v4"``; ``None``: :func:`bwd_variant`, the environment) picks the
     kernels; ``"v2"`` gives v1's plan where v2 has no kernels (see the module docstring),
-    ``"v3"`` gives v2's plan (or v1's) where v3 has none (it has head dim 64 only).
+    ``"v3"`` gives v2's plan (or v1's) where v3 has none (it has head dim 64 only), ``"v4"``
+    likewise (it has head dims 64 and 128).
 
     Examples:
         >>> p = backward_plan("float16", 128, 128, variant="v1")
@@ -311,6 +351,8 @@ def backward_plan(kind: str, e: int, ev: int, variant: str | None = None) -> Bac
         'aa_bwd_dkdv_mma3<AaF16, 64, 8, 128, 32>'
         >>> backward_plan("float16", 128, 128, variant="v3").variant
         'v2'
+        >>> backward_plan("float16", 128, 128, variant="v4").dkdv
+        'aa_bwd_dkdv_mma4<AaF16, 128, 64, 128, 4, 16>'
     """
     if kind not in _KIND_TYPES:
         raise ValueError(f"kind must be one of {tuple(_KIND_TYPES)}, got {kind!r}")
@@ -328,7 +370,9 @@ def backward_plan(kind: str, e: int, ev: int, variant: str | None = None) -> Bac
         aligned = e % 8 == 0 and ev % 8 == 0
         if variant == "v3" and d in _V3_HEAD_DIMS and aligned:
             return _plan_v3(kind, d)
-        if variant in ("v2", "v3") and d in _V2_HEAD_DIMS and aligned:
+        if variant == "v4" and d in _V4_HEAD_DIMS and aligned:
+            return _plan_v4(kind, d)
+        if variant in ("v2", "v3", "v4") and d in _V2_HEAD_DIMS and aligned:
             return _plan_v2(kind, d)
         if d is not None:
             # (warps, query rows per step): the largest tiles that compile without
@@ -384,10 +428,10 @@ FLEX_ENV = "ARRAYATTN_FLEX_BWD_KERNELS"
 
 
 def flex_kernels_enabled() -> bool:
-    """Whether ``ARRAYATTN_FLEX_BWD_KERNELS`` is ``1``/``true``/``yes`` (read at each call):
-    block-mask backwards then run in the kernels (:func:`flex_plan`); otherwise the
-    array-API backward runs them (the default, until the kernels have run on a GPU)."""
-    return os.environ.get(FLEX_ENV, "").strip().lower() in ("1", "true", "yes")
+    """Whether block-mask backwards may run in the kernels (:func:`flex_plan`): yes unless
+    ``ARRAYATTN_FLEX_BWD_KERNELS`` is ``0``/``false``/``no`` (read at each call; the opt-out
+    sends them to the array-API backward, as before they had run on a GPU)."""
+    return os.environ.get(FLEX_ENV, "").strip().lower() not in ("0", "false", "no")
 
 
 def _flexed(name: str) -> str:
@@ -396,7 +440,7 @@ def _flexed(name: str) -> str:
 
 def flex_plan(kind: str, e: int, ev: int, variant: str | None = None) -> BackwardPlan | None:
     """The block-mask plan: :func:`backward_plan`'s with the dK/dV and dQ kernels' ``FLEX``
-    instantiations (v3 gives v2's; v1's tensor-core kernels have none: v2's where v2 holds
+    instantiations (v3 and v4 give v2's; v1's tensor-core kernels have none: v2's where v2 holds
     the call, else ``None``).
 
     Examples:
@@ -410,7 +454,7 @@ def flex_plan(kind: str, e: int, ev: int, variant: str | None = None) -> Backwar
     plan = backward_plan(kind, e, ev, variant)
     if plan is None:
         return None
-    if plan.variant == "v3" or (plan.tensor_cores and plan.variant == "v1"):
+    if plan.variant in ("v3", "v4") or (plan.tensor_cores and plan.variant == "v1"):
         plan = backward_plan(kind, e, ev, "v2")
         if plan is None or (plan.tensor_cores and plan.variant != "v2"):
             return None
@@ -432,6 +476,8 @@ def _all_plans() -> list[BackwardPlan]:
             plans.append(_plan_v2(kind, d))
         for d in _V3_HEAD_DIMS:
             plans.append(_plan_v3(kind, d))
+        for d in _V4_HEAD_DIMS:
+            plans.append(_plan_v4(kind, d))
     # block masks: the FLEX instantiations of the CUDA-core and v2 kernels
     for kind in _KIND_TYPES:
         for d in _SIMT_HEAD_DIMS:
@@ -443,19 +489,23 @@ def _all_plans() -> list[BackwardPlan]:
 
 def kernel_file(name: str) -> str:
     """The ``.cu`` file that defines the instantiation ``name`` (``attn_bwd_v3.cu`` for v3's
-    dK/dV kernel, else ``attn_bwd.cu``).
+    dK/dV kernel, ``attn_bwd_v4.cu`` for v4's, else ``attn_bwd.cu``).
 
     Examples:
         >>> kernel_file("aa_bwd_dkdv_mma3<AaF16, 64, 8, 128, 32>")
         'attn_bwd_v3.cu'
         >>> kernel_file("aa_bwd_dq_mma2<AaF16, 64, 4, 64>")
         'attn_bwd.cu'
+        >>> kernel_file("aa_bwd_dkdv_mma4<AaF16, 128, 64, 128, 4, 16>")
+        'attn_bwd_v4.cu'
     """
-    return SOURCE_V3 if name.startswith("aa_bwd_dkdv_mma3<") else SOURCE
+    if name.startswith("aa_bwd_dkdv_mma3<"):
+        return SOURCE_V3
+    return SOURCE_V4 if name.startswith("aa_bwd_dkdv_mma4<") else SOURCE
 
 
 def _variant_names() -> dict[str, list[str]]:
-    names: dict[str, list[str]] = {SOURCE: [], SOURCE_V3: []}
+    names: dict[str, list[str]] = {SOURCE: [], SOURCE_V3: [], SOURCE_V4: []}
     for plan in _all_plans():
         for name in (plan.preprocess, plan.dkdv, plan.dq, plan.convert):
             if name is not None and name not in names[kernel_file(name)]:
@@ -677,8 +727,7 @@ def flex_declines(spec: AttentionSpec) -> str | None:
     the module docstring, "Block masks")."""
     if not flex_kernels_enabled():
         return (
-            f"block masks reach the backward kernels only with {FLEX_ENV}=1 (opt-in until "
-            "they have run on a GPU)"
+            f"{FLEX_ENV}=0 sends block-mask backwards to the array-API backward"
         )
     if spec.score_mod is not None:
         return "score_mod is not in the backward kernels (the array-API backward runs it)"
@@ -739,6 +788,17 @@ def _lengths(spec: AttentionSpec, x: Array | None) -> Array | None:
     return cupy.ascontiguousarray(cupy.asarray(x, dtype=cupy.int32).reshape(spec.batch_size))
 
 
+def _max_smem(device: int) -> int:
+    """The dynamic shared memory a block may opt into on CUDA device ``device`` (bytes)."""
+    import cupy
+
+    try:
+        attrs = cupy.cuda.Device(device).attributes
+        return int(attrs.get("MaxSharedMemoryPerBlockOptin", 227 * 1024))
+    except Exception:  # an attribute this CuPy does not report: assume a Hopper-class part
+        return 227 * 1024
+
+
 def _cupy_launch(
     name: str, grid: tuple[int, int, int], threads: int, smem: int, args: tuple[Any, ...]
 ) -> None:
@@ -785,6 +845,9 @@ def backward(
     if spec.flex:  # declines() checked the block mask, the plan and its tiles
         plan = flex_plan(kind, spec.E, spec.Ev)
     assert plan is not None  # declines() refuses head dims no variant holds
+    if plan.variant == "v4" and plan.dkdv_smem > _max_smem(device_index(spec)):
+        plan = backward_plan(kind, spec.E, spec.Ev, "v2")  # v4's 173-178 KB: Hopper-sized
+        assert plan is not None
     B, Hq, Hkv, L, S, E, Ev = (spec.batch_size, spec.Hq, spec.Hkv, spec.L, spec.S, spec.E, spec.Ev)
     if B == 0 or Hq == 0 or L == 0 or S == 0 or E == 0 and Ev == 0:
         zeros = [

@@ -10,9 +10,12 @@ What runs in the kernel (``attn_fwd.cu``) and what does not:
   the seed-defined dropout, ``return_lse``, dense bool and float ``attn_mask`` of any
   broadcastable shape (read in the kernel through element strides; a float mask is first
   cast to the kernel's accumulation dtype, a copy of the mask's own, unbroadcast shape).
-* Forward kernel variant: ``ARRAYATTN_FWD_VARIANT`` = ``v2`` (default: ``aa_fwd_tc2``,
-  16-bit dtypes at D = 64/128, 1.25-1.36x v1 on an H200; ``tiles.forward_launch`` picks
-  the kernel and ``tiles.v2_declines`` says which calls stay on v1) or ``v1``.
+* Forward kernel variant: ``ARRAYATTN_FWD_VARIANT`` = ``v3`` (the default: ``aa_fwd_tc2``
+  for 16-bit dtypes at D = 64/128, 1.25-1.36x v1 on an H200, and ``aa_fwd_tf32`` for
+  float32 at D = 64/128, three TF32 products per product, 2.1-2.3x the CUDA-core kernel
+  on an H100), ``v2`` (float32 on CUDA cores) or ``v1``; ``tiles.forward_launch`` picks
+  the kernel, ``tiles.v2_declines`` and ``tiles.tf32_declines`` say which calls stay on
+  v1.
 * Decode-shaped calls (``L <= 16`` query rows over ``S >= 128`` keys, no mask, no
   dropout) run the split-KV decode kernels of ``decode.py`` instead of the prefill kernel.
 * ``sinks`` (folded into each row's denominator at the end of the online softmax) and
@@ -28,9 +31,10 @@ What runs in the kernel (``attn_fwd.cu``) and what does not:
   path runs them): ``score_mod``, a plain mask_mod function without a block mask, block
   sizes the kernel's tiles do not divide (``Q_BLOCK % BM``, ``KV_BLOCK % BN``; the
   default 128 fits every kernel), non-CuPy arrays, blocks of a larger call. The decode
-  kernels decline them; the backward of such a call is the array-API backward on the
-  kernel's LSE, or, with ``ARRAYATTN_FLEX_BWD_KERNELS=1`` (opt-in until run on a GPU), the
-  backward kernels' block-mask instantiations where ``backward.declines`` takes the call.
+  kernels decline them; the backward of such a call is the backward kernels' block-mask
+  instantiations where ``backward.declines`` takes the call (``ARRAYATTN_FLEX_BWD_KERNELS=0``
+  opts out), else the array-API backward on the
+  kernel's LSE.
 * Fallback rule (``declines``): the kernel declines non-CuPy arrays, other dtypes, head
   dims above 256, 16-bit dtypes on devices older than sm_80, and batch or head counts
   above 65535 (grid limits). ``implementation="auto"`` then moves on to the next path;
@@ -166,7 +170,7 @@ def _launch(spec: AttentionSpec, kind: str, d: int, mask_kind: Any) -> ForwardLa
     launch = forward_launch(*args)
     if (
         spec.block_mask is not None
-        and launch.variant == "v2"
+        and launch.variant in ("v2", "v3")
         and flex_table.tiles_fit(spec.block_mask, launch.config.block_m, launch.config.block_n)
     ):
         launch = forward_launch(*args, variant="v1")
@@ -227,11 +231,12 @@ class FusedAttention:
             return decode.forward(spec, query, key, value, poison=POISON_OUTPUTS)
 
         dropout = spec.dropout_p > 0.0
-        tc = kind in ("float16", "bfloat16")
-        # ARRAYATTN_FWD_VARIANT (tiles.forward_variant): v2 unless v1 is asked for or v2
-        # declines the call (tiles.v2_declines lists what stays on v1).
+        # ARRAYATTN_FWD_VARIANT (tiles.forward_variant): v3 unless v1/v2 is asked for or
+        # it declines the call (tiles.v2_declines and tf32_declines list what stays on v1).
         launch = _launch(spec, kind, d, None if attn_mask is None else spec.mask_kind)
         cfg = launch.config
+        # 16-byte row loads: the 16-bit kernels and aa_fwd_tf32 (v3 float32)
+        tc = kind in ("float16", "bfloat16") or launch.variant == "v3"
         # A block mask: its table on this device (built once, cached on the BlockMask).
         flex: Any = np.uint64(0)
         if spec.block_mask is not None:
@@ -308,8 +313,8 @@ class FusedAttention:
         JAX GPU arrays through the DLPack bridge (``_bridge.py``)."""
         args = (spec, query, key, value, attn_mask, out, lse, d_out, d_lse)
         if spec.flex:
-            # Block masks reach the backward kernels only as an opt-in
-            # (ARRAYATTN_FLEX_BWD_KERNELS=1, backward.flex_declines); else array-API backward.
+            # Block masks reach the backward kernels unless opted out
+            # (ARRAYATTN_FLEX_BWD_KERNELS=0, backward.flex_declines); else array-API backward.
             if kernels_backward.flex_kernels_enabled() and kernels_backward.declines(spec) is None:
                 return kernels_backward.backward(*args)
             if chunked.score_matrix_bytes(spec) > AUTO_CHUNK_BYTES:

@@ -157,7 +157,8 @@ def operand(spec: AttentionSpec, x: Any, width: int, aligned16: bool) -> tuple[A
             return None
         hs = st[-3] if a.shape[-3] > 1 else 0
         rs = st[-2] if a.shape[-2] > 1 else width
-        if aligned16 and (_data_ptr(a) % 16 or bs % 8 or hs % 8 or rs % 8):
+        per16 = 16 // a.dtype.itemsize  # elements per 16 bytes
+        if aligned16 and (_data_ptr(a) % 16 or bs % per16 or hs % per16 or rs % per16):
             return None
         return bs, hs, rs
 

@@ -33,6 +33,10 @@ __all__ = [
     "forward_launch",
     "tile_config_v2",
     "forward_kernel_name_v2",
+    "TF32_HEAD_DIMS",
+    "tf32_declines",
+    "tile_config_tf32",
+    "forward_kernel_name_tf32",
     "row_keys",
     "COMPILE_VARIANTS",
     "HOT_VARIANTS",
@@ -196,10 +200,12 @@ def forward_kernel_name(
 
 
 # -- forward kernel variants (ARRAYATTN_FWD_VARIANT) ---------------------------------------
-FWD_VARIANTS = ("v1", "v2")
-"""Forward kernel variants: ``v1`` (``aa_fwd_tc`` / ``aa_fwd_simt``) and ``v2`` (the default,
+FWD_VARIANTS = ("v1", "v2", "v3")
+"""Forward kernel variants: ``v1`` (``aa_fwd_tc`` / ``aa_fwd_simt``), ``v2`` (the default,
 ``aa_fwd_tc2``: 128 x 64 tiles, one barrier per key tile, the scale folded into the exp2
-FMA, the O rescale skipped when no row max grew; 16-bit kinds only)."""
+FMA, the O rescale skipped when no row max grew; 16-bit kinds only) and ``v3`` (the
+default: v2, and float32 on tensor cores through ``aa_fwd_tf32``, three TF32 products
+per product)."""
 
 V2_HEAD_DIMS = (64, 128)
 """Head dims ``aa_fwd_tc2`` is instantiated for. D = 32, 96 and 256 stay on v1: at D = 96
@@ -223,11 +229,14 @@ class ForwardLaunch:
     variant: str
 
 
-DEFAULT_FWD_VARIANT = "v2"
-"""The forward variant when ``ARRAYATTN_FWD_VARIANT`` is unset: ``v2``, since it ran on an
-NVIDIA H200 (2026-11-26, 08:13 UTC) correct in every GPU test and 1.25-1.36x v1's speed
-(float16 forward, D = 64/128, L = 2048/8192: 0.94-1.03x PyTorch's flash backend, v1
-0.69-0.76x). ``v1`` stays selectable (and runs whatever v2 declines)."""
+DEFAULT_FWD_VARIANT = "v3"
+"""The forward variant when ``ARRAYATTN_FWD_VARIANT`` is unset: ``v3`` (v2's kernels for
+16-bit kinds, ``aa_fwd_tf32`` for float32), since it ran on an NVIDIA H100 (2026-11-26,
+14:00 UTC) correct in every float32 GPU test, 1.0-1.7e-6 from float64 up to L = 32768,
+and 2.1-2.3x the CUDA-core kernel (1.10-1.56x PyTorch's float32 SDPA). v2 became the
+16-bit default after an NVIDIA H200 run (08:13 UTC: 1.25-1.36x v1, 0.94-1.03x PyTorch's
+flash backend). ``v1`` and ``v2`` stay selectable (and v1 runs whatever v2 and v3
+decline)."""
 
 
 def forward_variant() -> str:
@@ -298,6 +307,61 @@ def forward_kernel_name_v2(kind: str, d: int, softcap: bool, mask_kind: int, ali
     return f"aa_fwd_tc2<{dt}, {d}, {str(softcap).lower()}, {mask_kind}, {str(alibi).lower()}>"
 
 
+TF32_HEAD_DIMS = (64, 128)
+"""Head dims ``aa_fwd_tf32`` (float32 on tensor cores, variant ``v3``) is instantiated for."""
+
+
+def tf32_declines(
+    kind: str, d: int, dropout: bool, scale: float
+) -> str | None:  # fmt: skip
+    """``None`` when ``aa_fwd_tf32`` serves a float32 call under variant ``v3``, else why
+    the CUDA-core kernel (``aa_fwd_simt``) does: other dtypes, head dims other than
+    :data:`TF32_HEAD_DIMS`, dropout, a scale that is not positive (the row max is taken on
+    raw scores, as in v2). Softcap, dense and block masks, ALiBi, sinks, causal, windows,
+    lengths and GQA run on it.
+
+    Examples:
+        >>> tf32_declines("float32", 128, False, 0.088) is None
+        True
+        >>> tf32_declines("float32", 128, True, 0.088)
+        'v3 float32 has no dropout; aa_fwd_simt runs it'
+    """
+    if kind != "float32":
+        return f"aa_fwd_tf32 is for float32, not {kind}"
+    if d not in TF32_HEAD_DIMS:
+        return f"aa_fwd_tf32 is instantiated for head dims {TF32_HEAD_DIMS}, not {d}"
+    if dropout:
+        return "v3 float32 has no dropout; aa_fwd_simt runs it"
+    if not scale >= 1e-30:
+        return f"aa_fwd_tf32 needs scale > 0 (row max on raw scores), got {scale}"
+    return None
+
+
+def tile_config_tf32(d: int) -> TileConfig:
+    """Launch shape of ``aa_fwd_tf32`` (``AaTf32Cfg`` in ``attn_fwd.cu``): 64 query rows (4
+    warps x 16), 64 keys per tile at D = 64 and 32 at D = 128, Q plus two stages of K and
+    V in float with a row pitch of D + 4.
+
+    Examples:
+        >>> tile_config_tf32(128)
+        TileConfig(block_m=64, block_n=32, threads=128, smem_bytes=101376)
+    """
+    if d not in TF32_HEAD_DIMS:
+        raise ValueError(f"tf32 head dim must be one of {TF32_HEAD_DIMS}, got {d}")
+    bm, bn = 64, 64 if d <= 64 else 32
+    return TileConfig(bm, bn, 128, (bm + 4 * bn) * (d + 4) * 4)
+
+
+def forward_kernel_name_tf32(d: int, softcap: bool, mask_kind: int, alibi: bool) -> str:
+    """Name expression of ``aa_fwd_tf32<D, SOFTCAP, MASK, ALIBI>``.
+
+    Examples:
+        >>> forward_kernel_name_tf32(64, False, 4, False)
+        'aa_fwd_tf32<64, false, 4, false>'
+    """
+    return f"aa_fwd_tf32<{d}, {str(softcap).lower()}, {mask_kind}, {str(alibi).lower()}>"
+
+
 def forward_launch(
     kind: str,
     d: int,
@@ -321,6 +385,11 @@ def forward_launch(
     variant = forward_variant() if variant is None else variant
     if variant not in FWD_VARIANTS:
         raise ValueError(f"variant must be one of {FWD_VARIANTS}, got {variant!r}")
+    if variant == "v3":
+        if tf32_declines(kind, d, dropout, scale) is None:
+            name = forward_kernel_name_tf32(d, softcap, mask_kind, alibi)
+            return ForwardLaunch(name, tile_config_tf32(d), "v3")
+        variant = "v2"  # 16-bit kinds as v2; float32 it declines as v1
     if variant == "v2" and v2_declines(kind, d, dropout, scale, softcap, mask_kind, alibi) is None:
         name = forward_kernel_name_v2(kind, d, softcap, mask_kind, alibi)
         return ForwardLaunch(name, tile_config_v2(d), "v2")
@@ -373,6 +442,16 @@ def _v2_variants() -> list[str]:
         for kind in ("float16", "bfloat16")
         for d in V2_HEAD_DIMS
     ]
+    # aa_fwd_tf32 (v3, float32 on tensor cores): plain at both head dims, block masks, and
+    # the features at both
+    out += [
+        forward_kernel_name_tf32(d, softcap, mk, alibi)
+        for d in TF32_HEAD_DIMS
+        for softcap, mk, alibi in (
+            (False, 0, False), (False, 4, False), (True, 0, False), (False, 1, False),
+            (False, 2, False), (False, 0, True), (True, 5, True),
+        )
+    ]  # fmt: skip
     return out
 
 
@@ -384,6 +463,6 @@ HOT_VARIANTS: list[str] = [
     forward_kernel_name_v2(kind, d, False, 0, False)
     for kind in ("float16", "bfloat16")
     for d in V2_HEAD_DIMS
-]
+] + [forward_kernel_name_tf32(d, False, 0, False) for d in TF32_HEAD_DIMS]
 """v2 variants that must not spill (the plain 16-bit kernels; causal, windows and lengths
 are run-time arguments of the same instantiations)."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, overload
 
 from ..._backend import Array
+from ...attention.block_mask import BlockMask
 from .._cotangents import Cotangents
 from .._validate import _flag
 from ..cascade_cache import CascadeKVCache
@@ -35,7 +36,7 @@ from ..paged_kv_cache import PagedKVCache
 from .backward import backward
 from .cache import new_cache, new_paged_cache
 from .config import QK_NORM_SCOPES, QK_NORMS, AttentionConfig
-from .forward import run
+from .forward import flex_options, run
 from .params import Params, check_params, init_params, load_params
 
 __all__ = ["MultiHeadAttention", "Cotangents", "AttentionConfig", "QK_NORMS", "QK_NORM_SCOPES"]
@@ -277,6 +278,9 @@ class MultiHeadAttention(AttentionConfig):
         seed: int | None = None,
         need_weights: Literal[False] = False,
         average_attn_weights: bool = True,
+        block_mask: BlockMask | None = None,
+        mask_mod: Any = None,
+        score_mod: Any = None,
     ) -> Array: ...
     @overload
     def __call__(
@@ -296,6 +300,9 @@ class MultiHeadAttention(AttentionConfig):
         seed: int | None = None,
         need_weights: Literal[True],
         average_attn_weights: bool = True,
+        block_mask: BlockMask | None = None,
+        mask_mod: Any = None,
+        score_mod: Any = None,
     ) -> tuple[Array, Array]: ...
     @overload
     def __call__(
@@ -315,6 +322,9 @@ class MultiHeadAttention(AttentionConfig):
         seed: int | None = None,
         need_weights: bool = False,
         average_attn_weights: bool = True,
+        block_mask: BlockMask | None = None,
+        mask_mod: Any = None,
+        score_mod: Any = None,
     ) -> Array | tuple[Array, Array]: ...
     def __call__(
         self,
@@ -333,6 +343,9 @@ class MultiHeadAttention(AttentionConfig):
         seed: int | None = None,
         need_weights: bool = False,
         average_attn_weights: bool = True,
+        block_mask: BlockMask | None = None,
+        mask_mod: Any = None,
+        score_mod: Any = None,
     ) -> Array | tuple[Array, Array]:
         """The layer's output ``(..., L, embed_dim)`` (and the attention weights with
         ``need_weights``).
@@ -385,6 +398,18 @@ class MultiHeadAttention(AttentionConfig):
                 (``average_attn_weights=True``) or ``(..., Hq, L, S)``. They cost an
                 ``L x S`` matrix per head; not with a :class:`PagedKVCache`.
             average_attn_weights: see ``need_weights``.
+            block_mask: a :class:`~arrayattn.flex.BlockMask` for the attention call
+                ``(B, num_heads, L, S)`` (``B`` the flat batch of ``x``'s leading dims),
+                passed to :func:`arrayattn.scaled_dot_product_attention` and ANDed with
+                ``causal``, ``window``, ``attn_mask`` and ``lengths``; not with a cache
+                or ``padding_side="left"``. Query/key indices are positions within the
+                call (``0..L-1``, ``0..S-1``).
+            mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (:mod:`arrayattn.flex`),
+                alone or the one ``block_mask`` holds.
+            score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` applied to the
+                scaled scores (after ``softcap`` and ALiBi); a :class:`~arrayattn.flex.ScoreMod`
+                with its derivative for :meth:`vjp`, whose ``params`` (a T5 or Swin bias
+                table) get gradients in :attr:`Cotangents.score_mod`.
 
         Examples:
             >>> import numpy as np
@@ -419,6 +444,7 @@ class MultiHeadAttention(AttentionConfig):
             seed,
             need_weights,
             None,
+            flex_options(block_mask, mask_mod, score_mod),
         )
         if not need_weights:
             return out
@@ -443,14 +469,17 @@ class MultiHeadAttention(AttentionConfig):
         padding_side: str = "right",
         training: bool = False,
         seed: int | None = None,
+        block_mask: BlockMask | None = None,
+        mask_mod: Any = None,
+        score_mod: Any = None,
     ) -> tuple[Array, Callable[[Array], Cotangents]]:
         """Run the layer and return ``(out, pullback)``; ``pullback(d_out)`` returns
         :class:`Cotangents` ``(dx, dcontext, dparams)``: the cotangents of ``x``, of
         ``context`` (``None`` without one) and a dict with one entry per parameter; the
         separate ``value`` input's and a float ``attn_mask``'s are its attributes
-        ``.value`` and ``.attn_mask``. Same arguments as :meth:`__call__` (no cache:
-        decoding needs no gradients). With dropout, the same mask (seed) is used forward
-        and backward.
+        ``.value`` and ``.attn_mask``, a score_mod's parameters' ``.score_mod``. Same
+        arguments as :meth:`__call__` (no cache: decoding needs no gradients). With
+        dropout, the same mask (seed) is used forward and backward.
 
         Examples:
             >>> import numpy as np
@@ -463,6 +492,17 @@ class MultiHeadAttention(AttentionConfig):
             >>> g = pullback(np.ones_like(y))
             >>> g.x.shape, g.context.shape, g.value.shape
             ((1, 2, 8), (1, 4, 6), (1, 4, 5))
+
+            A document mask and a learned T5 bias table (its gradient in ``.score_mod``):
+
+            >>> from arrayattn.flex import document_mask, relative_position_bias
+            >>> table = np.zeros((32, 2), np.float32)          # (num_buckets, num_heads)
+            >>> x, k, v = (np.ones((1, 6, d), np.float32) for d in (8, 6, 5))
+            >>> y, pullback = mha.vjp(p, x, k, value=v,
+            ...                       mask_mod=document_mask(np.arange(6) // 3),
+            ...                       score_mod=relative_position_bias(table))
+            >>> pullback(np.ones_like(y)).score_mod[0].shape
+            (32, 2)
         """
         pullbacks: dict[str, Callable[..., tuple[Any, ...]]] = {}
         out, info = run(
@@ -481,6 +521,7 @@ class MultiHeadAttention(AttentionConfig):
             seed,
             False,
             pullbacks,
+            flex_options(block_mask, mask_mod, score_mod),
         )
 
         def pullback(d_out: Array) -> Cotangents:

@@ -35,6 +35,7 @@ def backward(
     d_qh, d_kh, d_vh, d_mask = back[:4]
     if cfg.sinks:  # keyword arrays' cotangents come in a trailing dict
         grads["sinks"] = back[-1]["sinks"]
+    d_score = back[-1]["score_mod"] if info.get("score_params") else None
     if cfg.rope is not None:
         d_qh = pullbacks["q_rope"](d_qh)[0]
         d_kh = pullbacks["k_rope"](d_kh)[0]
@@ -78,7 +79,9 @@ def backward(
     if info["left"]:
         (d_x,) = pullbacks["roll_x"](d_x)
     grads = {name: grads[name] for name in cfg.param_shapes()}
-    return Cotangents(d_x, d_context, grads, d_value, d_mask if info["float_mask"] else None)
+    return Cotangents(
+        d_x, d_context, grads, d_value, d_mask if info["float_mask"] else None, d_score
+    )
 
 
 def norm_back(

@@ -34,10 +34,27 @@ def check_call(
     training: bool,
     seed: Any,
     need_weights: bool = False,
+    flex: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Validate a call's arguments (nothing is computed or changed); returns what the
-    forward needs: the host lengths of the new tokens and the cache's starts."""
+    forward needs: the host lengths of the new tokens and the cache's starts. ``flex``:
+    the ``block_mask``/``mask_mod``/``score_mod`` given (the attention checks them
+    against its shapes; here only what the layer cannot combine them with)."""
     xp = namespace_of(x=x)
+    if flex:
+        names = "/".join(sorted(flex))
+        if cache is not None:
+            raise ValueError(
+                f"{names} with a cache is not supported: the attention then runs over the "
+                "cache's keys (positions the call's block mask does not describe); call "
+                "without a cache, or pass attn_mask / lengths"
+            )
+        if padding_side == "left":
+            raise ValueError(
+                f'{names} with padding_side="left" is not supported: left-padded rows are '
+                "moved internally, which shifts the positions a mask_mod sees; pad on the "
+                "right"
+            )
     if x.ndim < 2 or x.shape[-1] != mha.embed_dim:
         raise ValueError(
             f"x must have shape (..., L, embed_dim={mha.embed_dim}), got {tuple(x.shape)}"

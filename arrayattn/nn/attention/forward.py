@@ -26,7 +26,20 @@ from .config import AttentionConfig
 from .params import check_params
 from .rope import layer_rope_frequencies
 
-__all__ = ["run", "projection", "norm", "rolled_positions"]
+__all__ = ["run", "projection", "norm", "rolled_positions", "flex_options"]
+
+
+def flex_options(block_mask: Any, mask_mod: Any, score_mod: Any) -> dict[str, Any]:
+    """The structured options of a call (:mod:`arrayattn.flex`) that were given, as the
+    keywords of :func:`arrayattn.scaled_dot_product_attention`.
+
+    Examples:
+        >>> from arrayattn.flex import causal_mask
+        >>> sorted(flex_options(None, causal_mask, None))
+        ['mask_mod']
+    """
+    given = {"block_mask": block_mask, "mask_mod": mask_mod, "score_mod": score_mod}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def run(
@@ -45,11 +58,14 @@ def run(
     seed: int | None,
     need_weights: bool,
     pullbacks: dict[str, Callable[..., tuple[Any, ...]]] | None,
+    flex: dict[str, Any] | None = None,
 ) -> tuple[Array, dict[str, Any]]:
     """The forward pass: ``(out, info)``; ``pullbacks`` (a dict) collects each op's
-    pullback for :func:`~.backward.backward`. With a cache, the whole call holds the
-    cache's lock: the lengths it checks and takes positions from are the ones it appends
-    at, whatever other threads do with the cache."""
+    pullback for :func:`~.backward.backward`; ``flex``: the call's ``block_mask`` /
+    ``mask_mod`` / ``score_mod`` (:func:`flex_options`), passed to the attention. With
+    a cache, the whole call holds the cache's lock: the lengths it checks and takes
+    positions from are the ones it appends at, whatever other threads do with the
+    cache."""
     guard: AbstractContextManager[Any]
     guard = cache.lock if isinstance(cache, (KVCache, PagedKVCache)) else nullcontext()
     with guard:
@@ -69,6 +85,7 @@ def run(
             seed,
             need_weights,
             pullbacks,
+            flex or {},
         )
 
 
@@ -88,6 +105,7 @@ def _run(
     seed: int | None,
     need_weights: bool,
     pullbacks: dict[str, Callable[..., tuple[Any, ...]]] | None,
+    flex: dict[str, Any],
 ) -> tuple[Array, dict[str, Any]]:
     # Everything is validated before the cache changes: a rejected call changes nothing.
     check_params(cfg, params)
@@ -107,6 +125,7 @@ def _run(
         training,
         seed,
         need_weights,
+        flex,
     )
     p = params
     n_new, left = plan["n_new"], padding_side == "left"
@@ -178,6 +197,7 @@ def _run(
         softcap=cfg.softcap,
         seed=seed if use_dropout else None,
     )
+    opts.update(flex)  # (check_call refused them with a cache and left padding)
     if cfg.sinks:
         opts["sinks"] = p["sinks"]
     if cfg.alibi:
@@ -233,8 +253,14 @@ def _run(
         "left": left,
         "weights": weights,
         "float_mask": attn_mask is not None and attn_mask.dtype != xp.bool,
+        "score_params": _score_params(flex.get("score_mod")),
     }
     return out, info
+
+
+def _score_params(score_mod: Any) -> int:
+    """How many parameters (a bias table) the call's score_mod has."""
+    return len(getattr(score_mod, "params", ()))
 
 
 def projection(
