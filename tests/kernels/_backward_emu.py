@@ -11,7 +11,9 @@ NumPy arrays, so the very launch plan the CuPy path uses runs here.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
+import os
 import shutil
 import subprocess
 from importlib import resources
@@ -111,9 +113,15 @@ def compile_library(
         ).encode()
     ).hexdigest()[:16]
     lib = work / f"aa_bwd_emu_{digest}.so"
-    if not lib.exists():
+    # Several processes (pytest-xdist workers given one shared ``work``) may want the same
+    # library: one builds it under the lock, the others wait for it and load that build.
+    with open(work / f"aa_bwd_emu_{digest}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.exists():
+            return lib
         src = work / f"aa_bwd_emu_{digest}.cpp"
         src.write_text(text)
+        partial = work / f"aa_bwd_emu_{digest}.{os.getpid()}.tmp"
         cmd = [
             compiler() or "g++",
             "-std=c++20",
@@ -127,12 +135,25 @@ def compile_library(
             f"-I{inc}",
             str(src),
             "-o",
-            str(lib),
+            str(partial),
         ]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"emulator build failed:\n{res.stderr[-6000:]}")
+        os.replace(partial, lib)
     return lib
+
+
+def shared_work(tmp_path_factory) -> Path:
+    """A build folder every pytest-xdist worker of this test session shares (the session's
+    base temporary folder without xdist): a library several test files build is compiled
+    once, by :func:`compile_library`'s content key."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the workers' common parent (popen-gw0, popen-gw1, ...)
+    work = base / "aa_emu_builds"
+    work.mkdir(exist_ok=True)
+    return work
 
 
 def load(lib: Path) -> ctypes.CDLL:

@@ -60,12 +60,6 @@ template <> struct AaMma<AaBF16> {
     static aa_u32 pack(float lo, float hi) { return aa_emu_pack2(lo, hi, true); }
 };
 
-// Launch `call` (which runs the kernel body for the current thread) over a grid.
-template <typename F>
-void aa_emu_launch(AaEmuDim3 grid, int nthreads, size_t smem_bytes, F call) {
-    aa_emu_run_blocks(grid, nthreads, smem_bytes, call);
-}
-
 // cp.async of the v2 kernels (aa_bwd_cp16 / aa_bwd_cp4 / commit / wait_group 0), emulated
 // as forward_emulator.h does it: copies queue per thread, commit closes a group and
 // wait_group 0 performs this thread's groups, so data read before its wait and barrier is
@@ -108,6 +102,18 @@ inline void aa_bwd_cp_wait_all() {
             else std::memset(c.dst, 0, c.bytes);
         }
     aa_bwd_emu_groups.clear();
+}
+
+// Launch `call` (which runs the kernel body for the current thread) over a grid. Each
+// block starts with empty cp.async queues, as on a fresh thread (aa_emu_run_blocks reuses
+// the launch's threads block after block).
+template <typename F>
+void aa_emu_launch(AaEmuDim3 grid, int nthreads, size_t smem_bytes, F call) {
+    aa_emu_run_blocks(grid, nthreads, smem_bytes, [&] {
+        aa_bwd_emu_groups.clear();
+        aa_bwd_emu_open.clear();
+        call();
+    });
 }
 
 // red.global.add.v2.f32 of the v2 kernels: two relaxed float atomics.

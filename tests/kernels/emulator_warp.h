@@ -14,6 +14,8 @@
 
 #include "emulator_barrier.h"
 
+#include <atomic>
+#include <climits>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -215,32 +217,74 @@ inline void aa_emu_mma_tf32(float (&c)[4], const aa_u32 (&a)[4], aa_u32 b0, aa_u
 }
 
 // ---- launch --------------------------------------------------------------------------
+// Wait until `word` reaches `target` (an acquire load, so the waiter sees everything the
+// thread that stored it did before); futex waits, which order nothing by themselves.
+inline void aa_emu_wait_for(std::atomic<unsigned>& word, unsigned target) {
+    for (int spin = 0;; ++spin) {
+        const unsigned seen = word.load(std::memory_order_acquire);
+        if (seen >= target) return;
+        if (spin < 64) continue;
+        syscall(SYS_futex, reinterpret_cast<unsigned*>(&word), FUTEX_WAIT_PRIVATE, seen,
+                nullptr, nullptr, 0);
+    }
+}
+
+inline void aa_emu_wake_all(std::atomic<unsigned>& word) {
+    syscall(SYS_futex, reinterpret_cast<unsigned*>(&word), FUTEX_WAKE_PRIVATE, INT_MAX,
+            nullptr, nullptr, 0);
+}
+
 // Run `body` (the kernel body for the current thread) on `nthreads` threads per block, for
-// every block of `grid`, one block after another.
+// every block of `grid`, one block after another (x fastest, then y, then z).
+//
+// The launch's `nthreads` OS threads serve every block in turn (creating threads is most
+// of a ThreadSanitizer run's time otherwise), and each block still starts as if on fresh
+// threads: a new AaEmuBlock (barriers, 0xFF shared memory), fresh thread-locals set here
+// (the emulators clear their own cp.async queues in their launch bodies), and the same
+// happens-before edges as creating and joining the threads, and no others: the launching
+// thread publishes block n with a release store of `started` that each thread acquires
+// (as a thread's creation), and each thread's release add to `finished` is acquired by the
+// launching thread before it builds block n + 1 (as a join). Release-only adds never make
+// one CUDA thread acquire another's work, so inside a block only the kernel's own barriers
+// order its threads, as before.
 template <typename F>
 void aa_emu_run_blocks(AaEmuDim3 grid, int nthreads, size_t smem_bytes, F body) {
-    for (unsigned z = 0; z < grid.z; ++z)
-        for (unsigned y = 0; y < grid.y; ++y)
-            for (unsigned x = 0; x < grid.x; ++x) {
-                AaEmuBlock blk;
-                blk.bar = std::make_unique<AaEmuBarrier>(nthreads);
-                blk.smem.assign(smem_bytes + 64, 0xFF);
-                for (int w = 0; w < (nthreads + 31) / 32; ++w)
-                    blk.warps.push_back(std::make_unique<AaEmuWarp>());
-                std::vector<std::thread> threads;
-                threads.reserve(nthreads);
-                for (int t = 0; t < nthreads; ++t)
-                    threads.emplace_back([&, t, x, y, z] {
-                        threadIdx = {static_cast<unsigned>(t), 0, 0};
-                        blockIdx = {x, y, z};
-                        blockDim = {static_cast<unsigned>(nthreads), 1, 1};
-                        gridDim = grid;
-                        aa_emu_block = &blk;
-                        aa_emu_tid = t;
-                        body();
-                    });
-                for (auto& th : threads) th.join();
-            }
+    const unsigned nblocks = grid.x * grid.y * grid.z;
+    if (nblocks == 0 || nthreads <= 0) return;
+    std::unique_ptr<AaEmuBlock> blk;
+    std::atomic<unsigned> started{0};   // blocks published so far
+    std::atomic<unsigned> finished{0};  // threads done with the current block
+    auto serve = [&](int t) {
+        for (unsigned n = 0; n < nblocks; ++n) {
+            aa_emu_wait_for(started, n + 1);
+            threadIdx = {static_cast<unsigned>(t), 0, 0};
+            blockIdx = {n % grid.x, n / grid.x % grid.y, n / grid.x / grid.y};
+            blockDim = {static_cast<unsigned>(nthreads), 1, 1};
+            gridDim = grid;
+            aa_emu_block = blk.get();
+            aa_emu_tid = t;
+            body();
+            aa_emu_block = nullptr;
+            const unsigned done = finished.fetch_add(1, std::memory_order_release) + 1;
+            if (done == static_cast<unsigned>(nthreads)) aa_emu_wake_all(finished);
+        }
+    };
+    std::vector<std::thread> threads;
+    threads.reserve(nthreads);
+    for (int t = 0; t < nthreads; ++t) threads.emplace_back(serve, t);
+    for (unsigned n = 0; n < nblocks; ++n) {
+        blk.reset();  // block n - 1's memory goes before block n's is allocated, as before
+        blk = std::make_unique<AaEmuBlock>();
+        blk->bar = std::make_unique<AaEmuBarrier>(nthreads);
+        blk->smem.assign(smem_bytes + 64, 0xFF);
+        for (int w = 0; w < (nthreads + 31) / 32; ++w)
+            blk->warps.push_back(std::make_unique<AaEmuWarp>());
+        finished.store(0, std::memory_order_relaxed);
+        started.store(n + 1, std::memory_order_release);
+        aa_emu_wake_all(started);
+        aa_emu_wait_for(finished, static_cast<unsigned>(nthreads));
+    }
+    for (auto& th : threads) th.join();
 }
 
 // Call `f` with CUDA-style kernel parameters (an array of pointers to each argument).

@@ -70,7 +70,8 @@ def library(tmp_path_factory):
         for d in (64, 128):
             names += _names(backward_plan(kind, d, d, variant="v2"))
     names += _names(backward_plan("bfloat16", 128, 128, variant="v1"))  # v1 == v2 bits
-    return emu.build(sorted(set(names)), tmp_path_factory.mktemp("bwd_emu"))
+    # test_backward_emulated_v2.py imports this fixture: one build for both files.
+    return emu.build(sorted(set(names)), emu.shared_work(tmp_path_factory))
 
 
 CASES = {

@@ -426,9 +426,29 @@ GLUE = {
 }  # fmt: skip
 
 
+_TORCH_PLAN = ("bfloat16", 64, 64, 4)  # test_torch_bfloat16_decode_through_the_dlpack_bridge
+
+
+@pytest.fixture(scope="module")
+def glue_library(tmp_path_factory):
+    """One emulator library with the split and merge kernels of every GLUE case on every
+    variant (as decode_plan picks them from the spec's E, Ev, G * L) and of the torch test,
+    one compile for those tests; each test still checks the plan it launched."""
+    names = set()
+    for kind, qs, ks, vs, _ in GLUE.values():
+        for variant in decode.VARIANTS:
+            plan = decode.decode_plan(kind, qs[3], vs[3], qs[1] // ks[1] * qs[2],
+                                      variant=variant)  # fmt: skip
+            names |= {plan.split, plan.merge}
+    for variant in decode.VARIANTS:
+        plan = decode.decode_plan(*_TORCH_PLAN, variant=variant)
+        names |= {plan.split, plan.merge}
+    return emu.build(sorted(names), tmp_path_factory.mktemp("glue"), kernel_file=decode.SOURCE)
+
+
 @pytest.mark.parametrize("variant", decode.VARIANTS)
 @pytest.mark.parametrize("case", list(GLUE))
-def test_fused_forward_runs_decode_kernels(monkeypatch, tmp_path_factory, case, variant):
+def test_fused_forward_runs_decode_kernels(monkeypatch, glue_library, case, variant):
     import sys
 
     monkeypatch.setenv("ARRAYATTN_DECODE_VARIANT", variant)  # read by decode.forward's plan
@@ -458,9 +478,7 @@ def test_fused_forward_runs_decode_kernels(monkeypatch, tmp_path_factory, case, 
     assert not opts and decode.declines(spec, False) is None
     plan = decode.decode_plan(kind, spec.E, spec.Ev, spec.G * spec.L)
     assert plan.variant == variant
-    lib = emu.build([plan.split, plan.merge], tmp_path_factory.mktemp("glue"),
-                    kernel_file=decode.SOURCE)  # fmt: skip
-    launcher = emu.Launcher(lib, strided=True)
+    launcher = emu.Launcher(glue_library, strided=True)
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
     monkeypatch.setattr(decode, "_cupy_launch", launcher)
     monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
@@ -477,7 +495,7 @@ def test_fused_forward_runs_decode_kernels(monkeypatch, tmp_path_factory, case, 
     np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=1e-5 if kind != "float64" else 1e-12)
 
 
-def test_torch_bfloat16_decode_through_the_dlpack_bridge(monkeypatch, tmp_path):
+def test_torch_bfloat16_decode_through_the_dlpack_bridge(monkeypatch, glue_library):
     """A decode-shaped call on PyTorch bfloat16 tensors: int16 storage into the decode
     kernels, a bfloat16 tensor back (CPU tensors play CUDA ones, NumPy plays CuPy)."""
     import contextlib
@@ -492,9 +510,8 @@ def test_torch_bfloat16_decode_through_the_dlpack_bridge(monkeypatch, tmp_path):
     from arrayattn.attention.cuda import _bridge, fused
     from arrayattn.attention.spec import make_spec
 
-    plan = decode.decode_plan("bfloat16", 64, 64, 4)
-    lib = emu.build([plan.split, plan.merge], tmp_path, kernel_file=decode.SOURCE)
-    launcher = emu.Launcher(lib, strided=True)
+    plan = decode.decode_plan(*_TORCH_PLAN)
+    launcher = emu.Launcher(glue_library, strided=True)
     cp = _fake_cupy()
     cp.cuda.Device = lambda i=0: contextlib.nullcontext(types.SimpleNamespace(id=i))
     monkeypatch.setitem(sys.modules, "cupy", cp)
