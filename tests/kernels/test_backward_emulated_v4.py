@@ -9,7 +9,7 @@ from the switchable-barrier build (no race as written; each of ``attn_bwd_v4.cu`
 barriers deleted in turn is reported).
 
 Kept short (CI time): one emulator library, the reference cases split between the head
-dims, one race run as written; the run per barrier only with ARRAYATTN_WIDE_SWEEP=1.
+dims, one race run as written and one per deleted barrier, all from one switchable build.
 """
 
 from __future__ import annotations
@@ -174,15 +174,11 @@ def test_v4_has_no_data_race(switchable_v4):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not os.environ.get("ARRAYATTN_WIDE_SWEEP"),
-    reason="CI time (about 50 s): set ARRAYATTN_WIDE_SWEEP=1",
-)
 @pytest.mark.parametrize("site", range(len(tsan.barrier_offsets(SOURCE_V4))))
 def test_v4_race_check_catches_every_missing_barrier(switchable_v4, site):
     """Deleting either ``__syncthreads()`` of ``attn_bwd_v4.cu`` (the step's, P^T/dS^T's)
     makes the race check report a race (the same switchable build as the run above, one
-    run per barrier; opt-in, as the wide sweeps)."""
+    run per barrier: about 5 s since the emulators reuse their threads)."""
     assert len(tsan.barrier_offsets(SOURCE_V4)) == 2
     res = _tsan_run(switchable_v4, skip_barrier=site)
     assert tsan.REPORT in res.stderr, f"barrier {site} of {SOURCE_V4} removed, yet no race"
