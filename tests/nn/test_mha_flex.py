@@ -19,23 +19,11 @@ from arrayattn import flex
 from arrayattn.nn import MultiHeadAttention
 
 torch = pytest.importorskip("torch")
+from _torch_oracles import t5_bucket  # noqa: E402
 
 TOL = {"rtol": 1e-12, "atol": 1e-12}
 B, L, EMBED, HQ, HKV = 2, 14, 16, 4, 2
 IDS = np.repeat([[0, 1, 2], [0, 0, 1]], [4, 6, 4], axis=1)  # (B, L) packed documents
-
-
-def t5_bucket(rel, num_buckets=32, max_distance=20):
-    """T5's bidirectional bucket (Hugging Face's ``_relative_position_bucket``)."""
-    n = num_buckets // 2
-    buckets = (rel > 0).to(torch.long) * n
-    rel = torch.abs(rel)
-    exact = n // 2
-    large = exact + (
-        torch.log(rel.float() / exact) / math.log(max_distance / exact) * (n - exact)
-    ).to(torch.long)
-    large = torch.min(large, torch.full_like(large, n - 1))
-    return buckets + torch.where(rel < exact, rel, large)
 
 
 def torch_layer(p, x, table, causal):
@@ -51,7 +39,7 @@ def torch_layer(p, x, table, causal):
     v = heads(x @ p["v_proj.weight"].T, HKV).repeat_interleave(HQ // HKV, 1)
     s = q @ k.transpose(-1, -2) / math.sqrt(D)
     qi, ki = torch.arange(L).view(L, 1), torch.arange(L)
-    s = s + table[t5_bucket(ki - qi)].permute(2, 0, 1)
+    s = s + table[t5_bucket(ki - qi, max_distance=20)].permute(2, 0, 1)
     ids = torch.from_numpy(IDS)
     keep = ids[:, :, None] == ids[:, None, :]
     if causal:

@@ -32,6 +32,7 @@ from arrayattn.attention import chunked
 
 torch = pytest.importorskip("torch")
 fa = pytest.importorskip("torch.nn.attention.flex_attention")
+from _torch_oracles import dense_attention  # noqa: E402
 
 SDPA = aa.scaled_dot_product_attention
 IMPLEMENTATIONS = ("composed", "chunked")
@@ -67,26 +68,7 @@ def torch_eager(q, k, v, mask_fn, score_fn, table=None, cot=None, cot_lse=None):
     """Dense eager attention in torch with autograd: ``(out, lse, dq, dk, dv, dtable)``.
     Empty rows give output 0 and LSE -inf with zero gradients."""
     qt, kt, vt = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
-    Bq, Hq, L, Eq = q.shape
-    S = k.shape[-2]
-    g = Hq // k.shape[1]
-    kk, vv = kt.repeat_interleave(g, 1), vt.repeat_interleave(g, 1)
-    s = qt @ kk.transpose(-1, -2) / math.sqrt(Eq)
-    b = torch.arange(Bq).view(Bq, 1, 1, 1)
-    h = torch.arange(Hq).view(1, Hq, 1, 1)
-    qi, ki = torch.arange(L).view(L, 1), torch.arange(S)
-    if score_fn is not None:
-        s = score_fn(s, b, h, qi, ki)
-    if mask_fn is not None:
-        s = torch.where(torch.broadcast_to(mask_fn(b, h, qi, ki), s.shape), s, -math.inf)
-    m = s.detach().amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, 0.0)
-    e = torch.exp(s - m)
-    total = e.sum(-1, keepdim=True)
-    some = total > 0
-    total_safe = torch.where(some, total, 1.0)
-    out = (e / total_safe) @ vv
-    lse = torch.where(some, m + torch.log(total_safe), -math.inf)[..., 0]
+    out, lse = dense_attention(qt, kt, vt, mask_fn, score_fn)
     loss = (out * torch.from_numpy(cot)).sum()
     if cot_lse is not None:
         loss = loss + (torch.where(torch.isfinite(lse), lse, 0.0) * torch.from_numpy(cot_lse)).sum()

@@ -12,7 +12,6 @@ document ids), and the errors for masks built for another library, device or sha
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 
 import numpy as np
@@ -22,6 +21,8 @@ from arrayattn import flex
 
 torch = pytest.importorskip("torch")
 fa = pytest.importorskip("torch.nn.attention.flex_attention")
+from _torch_oracles import dense_attention as dense  # noqa: E402
+from _torch_oracles import t5_bucket  # noqa: E402
 
 import arrayattn.torch as aat  # noqa: E402
 from arrayattn.torch import _flex  # noqa: E402
@@ -44,44 +45,6 @@ def _docs(n: int) -> np.ndarray:
 
 IDS = _docs(S)
 IDS_T = torch.from_numpy(IDS)
-
-
-def t5_bucket(rel: torch.Tensor, num_buckets: int = 32, max_distance: int = 128):
-    """T5's bidirectional bucket in torch, as Hugging Face's
-    ``T5Attention._relative_position_bucket`` writes it (tests/ops/test_flex_peers.py
-    checks ours against that function itself)."""
-    n = num_buckets // 2
-    buckets = (rel > 0).to(torch.long) * n
-    rel = torch.abs(rel)
-    exact = n // 2
-    large = exact + (
-        torch.log(rel.float() / exact) / math.log(max_distance / exact) * (n - exact)
-    ).to(torch.long)
-    large = torch.min(large, torch.full_like(large, n - 1))
-    return buckets + torch.where(rel < exact, rel, large)
-
-
-def dense(q, k, v, mask_fn, score_fn):
-    """Dense eager attention with torch autograd: ``(out, lse)``; empty rows give 0 and
-    LSE -inf with zero gradients."""
-    Lq, Sk = q.shape[-2], k.shape[-2]
-    g = q.shape[1] // k.shape[1]
-    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    s = q @ kk.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    b = torch.arange(q.shape[0]).view(-1, 1, 1, 1)
-    h = torch.arange(q.shape[1]).view(1, -1, 1, 1)
-    qi, ki = torch.arange(Lq).view(Lq, 1), torch.arange(Sk)
-    if score_fn is not None:
-        s = score_fn(s, b, h, qi, ki)
-    if mask_fn is not None:
-        s = torch.where(torch.broadcast_to(mask_fn(b, h, qi, ki), s.shape), s, -math.inf)
-    m = s.detach().amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, 0.0)
-    e = torch.exp(s - m)
-    total = e.sum(-1, keepdim=True)
-    some = total > 0
-    safe = torch.where(some, total, 1.0)
-    return (e / safe) @ vv, torch.where(some, m + torch.log(safe), -math.inf)[..., 0]
 
 
 def inputs(seed: int = 0, Lq: int = L, Sk: int = S):
