@@ -236,14 +236,14 @@ class FusedAttention:
         launch = _launch(spec, kind, d, None if attn_mask is None else spec.mask_kind)
         cfg = launch.config
         # 16-byte row loads: the 16-bit kernels and aa_fwd_tf32 (v3 float32)
-        tc = kind in ("float16", "bfloat16") or launch.variant == "v3"
+        aligned16 = kind in ("float16", "bfloat16") or launch.variant == "v3"
         # A block mask: its table on this device (built once, cached on the BlockMask).
         flex: Any = np.uint64(0)
         if spec.block_mask is not None:
             flex = flex_table.table(spec.block_mask, spec.xp, device_index(spec), spec.device)
-        q, q_sb, q_sh, q_sr = operand(spec, query, d, tc)
-        k, k_sb, k_sh, k_sr = operand(spec, key, d, tc)
-        v, v_sb, v_sh, v_sr = operand(spec, value, d, tc)
+        q, q_sb, q_sh, q_sr = operand(spec, query, d, aligned16)
+        k, k_sb, k_sh, k_sr = operand(spec, key, d, aligned16)
+        v, v_sb, v_sh, v_sr = operand(spec, value, d, aligned16)
 
         out = cupy.empty((B, Hq, L, d), dtype=q.dtype)
         lse = cupy.empty((B, Hq, L), dtype=lse_dtype)
