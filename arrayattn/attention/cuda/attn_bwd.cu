@@ -152,16 +152,40 @@ AA_BWD_DEV int aa_bflex_step(const int* flex, int& cur, int blk, int p, int step
     return nx;
 }
 // Whether the block mask lets query i see key j, (i, j) inside the block of the pair at
-// `cur` (a full block: always; a partial one: its bit).
+// `cur` (a full block: always; a partial one: its bit, or with AA_FLEX_PRED, a built-in
+// mask_mod, the predicate at the table's batch index the pair holds; common.cuh).
 AA_BWD_DEV bool aa_bflex_ok(const int* flex, int cur, int i, int j) {
     const int pid = flex[cur + 1];
     if (pid < 0) return true;
+#ifdef AA_FLEX_PRED
+    return aa_flex_pred(flex, pid, i, j);
+#else
     const int qb = flex[AA_BF_QB];
     const int wpr = flex[AA_BF_WPR];
     const int col = j % flex[AA_BF_KB];
     const aa_u32* bits = reinterpret_cast<const aa_u32*>(flex + flex[AA_BF_BITS]);
     const aa_u32 w = bits[((long long)pid * qb + i % qb) * wpr + (col >> 5)];
     return ((w >> (col & 31)) & 1u) != 0u;
+#endif
+}
+// The 32 keys j0 .. j0 + 31 of query i as a word (bit c: key j0 + c takes part), j0 a
+// multiple of 32 inside the block of the pair at `cur` (KV_BLOCK % 32 == 0): a full block
+// all ones; a partial one its bit word, or with AA_FLEX_PRED the word built from 32
+// evaluations of the predicate.
+AA_BWD_DEV aa_u32 aa_bflex_word(const int* flex, int cur, int i, int j0) {
+    const int pid = flex[cur + 1];
+    if (pid < 0) return 0xffffffffu;
+#ifdef AA_FLEX_PRED
+    aa_u32 w = 0u;
+#pragma unroll
+    for (int c = 0; c < 32; ++c) w |= (aa_flex_pred(flex, pid, i, j0 + c) ? 1u : 0u) << c;
+    return w;
+#else
+    const int qb = flex[AA_BF_QB];
+    const int col = j0 % flex[AA_BF_KB];
+    const aa_u32* bits = reinterpret_cast<const aa_u32*>(flex + flex[AA_BF_BITS]);
+    return bits[((long long)pid * qb + i % qb) * flex[AA_BF_WPR] + (col >> 5)];
+#endif
 }
 // The first (head g >= the given g, query tile) step of a dK/dV block of key block c0 in
 // its group's flattened sequence: the first tile of [begin, hi) listed for head hk * G + g;

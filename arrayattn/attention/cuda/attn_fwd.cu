@@ -239,6 +239,59 @@ AA_DEV void aa_flex_mask_frag(float (&s)[MT][NS][4], const aa_u32* w, int wpr, i
         }
 }
 
+// The tensor-core fragments of a partial mask block's tile (rows row_w + ..., keys
+// c0 + ...; the layout of aa_flex_mask_frag): the scores the block mask excludes set to
+// -inf. Bits path: the block's bit words. AA_FLEX_PRED (a built-in mask_mod): the
+// predicate on each element the thread holds (fewer evaluations than building the 32-key
+// words; the pair's second value is the table's batch index).
+template <int BN, int MT, int NS>
+AA_DEV void aa_flex_mask_tile(float (&s)[MT][NS][4], const int* flex, int cur, int r0,
+                              int row_w, int c0, int t) {
+#ifdef AA_FLEX_PRED
+    const int b = flex[cur + 1];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NS; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = row_w + 16 * mt + 8 * (e >> 1);
+                const int j = c0 + 8 * nt + 2 * t + (e & 1);
+                float& x = s[mt][nt][e];
+                x = aa_flex_pred(flex, b, i, j) ? x : aa_neg_inf_f();
+            }
+#else
+    aa_flex_mask_frag<MT, NS>(s, aa_flex_words<BN>(flex, cur, r0, row_w, c0), flex[AA_FLEX_WPR], t);
+#endif
+}
+
+// The CUDA-core kernel's view of a partial block for the rows of one thread: from the
+// first row `row` at key tile c0 (aa_flex_rows), whether row row + r sees key c0 + dc
+// (query i, key j; aa_flex_rows_ok). Bits path: the words and the bit of c0 in its word
+// (BN = 16 tiles may start mid-word); AA_FLEX_PRED: the predicate at the batch index.
+struct AaFlexRows {
+    const aa_u32* w;
+    int bit, wpr, b;
+};
+template <int BN>
+AA_DEV AaFlexRows aa_flex_rows(const int* flex, int cur, int r0, int row, int c0) {
+    AaFlexRows f{nullptr, 0, 0, flex[cur + 1]};
+#ifndef AA_FLEX_PRED
+    f.w = aa_flex_words<BN>(flex, cur, r0, row, c0);
+    f.bit = (c0 - flex[cur] * flex[AA_FLEX_KVBLOCK]) & 31;
+    f.wpr = flex[AA_FLEX_WPR];
+#endif
+    return f;
+}
+AA_DEV bool aa_flex_rows_ok(const int* flex, const AaFlexRows& f, int r, int dc, int i, int j) {
+#ifdef AA_FLEX_PRED
+    return aa_flex_pred(flex, f.b, i, j);
+#else
+    const int cb = f.bit + dc;
+    return ((f.w[r * f.wpr + (cb >> 5)] >> (cb & 31)) & 1u) != 0u;
+#endif
+}
+
 // ---------------------------------------------------------------------------------------
 // PTX wrappers (sm_80+)
 // ---------------------------------------------------------------------------------------
@@ -541,9 +594,7 @@ __global__ void __launch_bounds__(AaTcCfg<D, MT>::NT, AaTcCfg<D, MT>::MIN_BLOCKS
             }
         }
         if constexpr (FLEX) {  // a partial mask block: its bits
-            if (flex[fcur + 1] >= 0)
-                aa_flex_mask_frag<MT, NS>(s, aa_flex_words<BN>(flex, fcur, r0, row_w, c0),
-                                          flex[AA_FLEX_WPR], t);
+            if (flex[fcur + 1] >= 0) aa_flex_mask_tile<BN, MT, NS>(s, flex, fcur, r0, row_w, c0, t);
         }
 
         // Online softmax: running max over the row (4 threads share a row), rescale.
@@ -926,9 +977,7 @@ __global__ void __launch_bounds__(AaTc2Cfg<D>::NT, AaTc2Cfg<D>::MIN_BLOCKS)
                     }
         }
         if constexpr (FLEX) {  // a partial mask block: its bits (-inf stays -inf raw)
-            if (flex[fcur + 1] >= 0)
-                aa_flex_mask_frag<MT, NS>(s, aa_flex_words<BN>(flex, fcur, r0, row_w, c0),
-                                          flex[AA_FLEX_WPR], t);
+            if (flex[fcur + 1] >= 0) aa_flex_mask_tile<BN, MT, NS>(s, flex, fcur, r0, row_w, c0, t);
         }
 
         // Online softmax: the tile's row max (4 threads share a row), scaled once per row.
@@ -1200,16 +1249,12 @@ __global__ void __launch_bounds__(AaSimtCfg<T, D>::NT, AaSimtCfg<T, D>::MIN_BLOC
 
         const bool full = r0 + BM <= sq.q_len &&
                           aa_block_full(r0, r0 + BM, c0, c0 + BN, sq.offset, left, right, sq.kv_len);
-        // A partial mask block: the words of this thread's first row at key c0 and the
-        // bit of c0 in its word (BN = 16 tiles may start mid-word).
-        const aa_u32* fw = nullptr;
-        int fbit = 0, fwpr = 0;
+        // A partial mask block: this thread's rows of it at key c0 (aa_flex_rows).
+        bool fpart = false;
+        AaFlexRows frows{nullptr, 0, 0, 0};
         if constexpr (FLEX) {
-            if (flex[fcur + 1] >= 0) {
-                fw = aa_flex_words<BN>(flex, fcur, r0, r0 + ty * RM, c0);
-                fbit = (c0 - flex[fcur] * flex[AA_FLEX_KVBLOCK]) & 31;
-                fwpr = flex[AA_FLEX_WPR];
-            }
+            fpart = flex[fcur + 1] >= 0;
+            if (fpart) frows = aa_flex_rows<BN>(flex, fcur, r0, r0 + ty * RM, c0);
         }
 #pragma unroll
         for (int r = 0; r < RM; ++r) {
@@ -1221,10 +1266,7 @@ __global__ void __launch_bounds__(AaSimtCfg<T, D>::NT, AaSimtCfg<T, D>::MIN_BLOC
                 bool ok =
                     full || (i < sq.q_len && aa_allowed(i, j, sq.offset, left, right, sq.kv_len));
                 if constexpr (FLEX) {
-                    if (fw != nullptr) {
-                        const int cb = fbit + tx + 16 * c;
-                        ok = ok && ((fw[r * fwpr + (cb >> 5)] >> (cb & 31)) & 1u);
-                    }
+                    if (fpart) ok = ok && aa_flex_rows_ok(flex, frows, r, tx + 16 * c, i, j);
                 }
                 T x = aa_neg_inf<T>();
                 if (ok) {
@@ -1503,9 +1545,7 @@ __global__ void __launch_bounds__(AaTf32Cfg<D>::NT, AaTf32Cfg<D>::MIN_BLOCKS)
                 }
         }
         if constexpr (FLEX) {  // a partial mask block: its bits (-inf stays -inf raw)
-            if (flex[fcur + 1] >= 0)
-                aa_flex_mask_frag<1, NS>(s, aa_flex_words<BN>(flex, fcur, r0, row_w, c0),
-                                         flex[AA_FLEX_WPR], t);
+            if (flex[fcur + 1] >= 0) aa_flex_mask_tile<BN, 1, NS>(s, flex, fcur, r0, row_w, c0, t);
         }
 
         // Online softmax (4 threads share a row), as aa_fwd_tc2.

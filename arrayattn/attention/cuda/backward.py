@@ -77,6 +77,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -516,16 +517,18 @@ def _variant_names() -> dict[str, list[str]]:
 COMPILE_VARIANTS: dict[str, list[str]] = _variant_names()
 """Every backward instantiation, for ``.ci/compile_kernels.py`` (and the CPU emulator)."""
 
-HOT_VARIANTS: list[str] = list(dict.fromkeys(
-    name
-    for variant in VARIANTS
-    for kind in ("float16", "bfloat16")
-    for d in (64, 128)
-    for name in (
-        backward_plan(kind, d, d, variant).dkdv,  # type: ignore[union-attr]
-        backward_plan(kind, d, d, variant).dq,  # type: ignore[union-attr]
+HOT_VARIANTS: list[str] = list(
+    dict.fromkeys(
+        name
+        for variant in VARIANTS
+        for kind in ("float16", "bfloat16")
+        for d in (64, 128)
+        for name in (
+            backward_plan(kind, d, d, variant).dkdv,  # type: ignore[union-attr]
+            backward_plan(kind, d, d, variant).dq,  # type: ignore[union-attr]
+        )
     )
-))
+)
 """The variants the compile check fails on when they spill: float16/bfloat16 at D = 64, 128,
 of every variant."""
 
@@ -726,9 +729,7 @@ def flex_declines(spec: AttentionSpec) -> str | None:
     """Why the backward kernels do not run this ``arrayattn.flex`` call, or ``None`` (see
     the module docstring, "Block masks")."""
     if not flex_kernels_enabled():
-        return (
-            f"{FLEX_ENV}=0 sends block-mask backwards to the array-API backward"
-        )
+        return f"{FLEX_ENV}=0 sends block-mask backwards to the array-API backward"
     if spec.score_mod is not None:
         return "score_mod is not in the backward kernels (the array-API backward runs it)"
     if spec.block_mask is None:
@@ -800,9 +801,14 @@ def _max_smem(device: int) -> int:
 
 
 def _cupy_launch(
-    name: str, grid: tuple[int, int, int], threads: int, smem: int, args: tuple[Any, ...]
+    name: str,
+    grid: tuple[int, int, int],
+    threads: int,
+    smem: int,
+    args: tuple[Any, ...],
+    prelude: str = "",
 ) -> None:
-    kernel = _loader.get_kernel(kernel_file(name), name, smem)
+    kernel = _loader.get_kernel(kernel_file(name), name, smem, prelude)
     kernel(grid, (threads,), args, shared_mem=smem)
 
 
@@ -856,9 +862,14 @@ def backward(
         return zeros[0], zeros[1], zeros[2], None
 
     flex = None
+    launch: Callable[..., None] = _cupy_launch
     if spec.flex:  # the block table on this device (built once, cached on the BlockMask)
         assert spec.block_mask is not None
         flex = flex_table.table(spec.block_mask, spec.xp, device_index(spec), spec.device)
+        # a built-in mask_mod's predicate compiled into the FLEX kernels (flex_table.prelude)
+        prelude = flex_table.prelude(spec.block_mask)
+        if prelude:
+            launch = functools.partial(_cupy_launch, prelude=prelude)
     q = _full(spec, query, spec.q_shape, Hq, (L, E))
     k = _full(spec, key, spec.k_shape, Hkv, (S, E))
     v = _full(spec, value, spec.v_shape, Hkv, (S, Ev))
@@ -880,7 +891,7 @@ def backward(
     st = spec.structure
     dq, dk, dv = run_kernels(
         cupy,
-        _cupy_launch,
+        launch,
         plan,
         q,
         k,

@@ -167,6 +167,26 @@ AA_HD int aa_alibi_dist(int i, int j, int offset) {
 }
 
 // ---------------------------------------------------------------------------------------
+// Block masks of built-in mask_mods (cuda/flex_pred.py): with AA_FLEX_PRED defined, the
+// loader put `#define AA_FLEX_PRED_EXPR (...)` in front of the source, an expression of
+// the block table F, its parameter area P, the table's batch index b, query row q and
+// key kv generated from the mask_mod's structure; every value it needs is in the table.
+// Pairs past the block mask's L x S are excluded (as the bits path's zero bits): the
+// per-token ids are never read out of range.
+// ---------------------------------------------------------------------------------------
+#define AA_FLEX_PARAM 12  // table header: int32 offset of the parameter area
+#define AA_FLEX_L 13      // ... the block mask's L
+#define AA_FLEX_S 14      // ... and S
+#ifdef AA_FLEX_PRED
+AA_HD bool aa_flex_pred(const int* __restrict__ F, int b, int q, int kv) {
+    if (q >= F[AA_FLEX_L] || kv >= F[AA_FLEX_S]) return false;
+    const int* __restrict__ P = F + F[AA_FLEX_PARAM];
+    (void)P;  // (a structure without run-time values does not read it)
+    return AA_FLEX_PRED_EXPR;
+}
+#endif
+
+// ---------------------------------------------------------------------------------------
 // Numerics (device only).
 // ---------------------------------------------------------------------------------------
 // (A host emulator of the kernels defines AA_NO_DEVICE_NUMERICS and supplies its own.)

@@ -25,6 +25,14 @@ Layout (``attn_fwd.cu``, "Block masks"; ``AA_FLEX_*``): a header of
   ``L``/``S`` are 0 and never read as allowed: the kernels' key length test excludes
   them).
 
+With a predicate (``flex_pred.py``: the mask_mod is a tree of built-ins, unless
+``ARRAYATTN_FLEX_PREDICATE=0``) there are no bits: a partial block's pair holds the
+table's batch index ``b`` instead of a partial id (still ``>= 0``: partial), header
+slot 12 the offset of the int32 parameter area, slots 13 and 14 ``L`` and ``S`` (pairs
+past them are excluded, as with the bits), and the per-token ids / per-batch prefix
+lengths follow the parameters; the kernels are compiled with :func:`prelude`'s
+``AA_FLEX_PRED_EXPR``.
+
 A size-1 batch or head axis of ``kinds`` (``B=None``/``H=None``) is one table for every
 batch/head (stride 0 in the header). Nothing here depends on the kernels' tile sizes;
 the kernels need ``Q_BLOCK % BM == 0`` and ``KV_BLOCK % BN == 0`` (:func:`tiles_fit`).
@@ -37,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from ..block_mask import EMPTY, PARTIAL, BlockMask, mod_allowed
+from .flex_pred import Predicate, generate, predicate_enabled
 
 __all__ = [
     "HEADER",
@@ -46,6 +55,8 @@ __all__ = [
     "host_layout",
     "build",
     "table",
+    "predicate",
+    "prelude",
 ]
 
 HEADER = 16
@@ -98,16 +109,23 @@ def backward_tiles_fit(bm: BlockMask, tiles: tuple[tuple[int, int], ...]) -> str
     return None
 
 
-def host_layout(kinds: np.ndarray, q_block: int, kv_block: int) -> tuple[np.ndarray, np.ndarray]:
+def host_layout(
+    kinds: np.ndarray, q_block: int, kv_block: int, pred: Predicate | None = None,
+    L: int = 0, S: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """The table without its bits: ``(head_counts_lists, partial)`` where the first is the
-    int32 header + counts + lists + transposed counts + lists and ``partial`` the
-    ``(P, 4)`` int64 ``(b, h, qi, ki)`` of the partial blocks in partial-id order."""
+    int32 header + counts + lists + transposed counts + lists (+ with ``pred``, the
+    parameters and their arrays, and no bits follow) and ``partial`` the ``(P, 4)`` int64
+    ``(b, h, qi, ki)`` of the partial blocks in partial-id order."""
     kinds = np.asarray(kinds)
     Bt, Ht, nq, nk = kinds.shape
     wpr = -(-kv_block // 32)
     nonempty = kinds != EMPTY
     is_partial = kinds == PARTIAL
-    pid = np.where(is_partial, np.cumsum(is_partial.reshape(-1)).reshape(kinds.shape) - 1, -1)
+    if pred is None:
+        pid = np.where(is_partial, np.cumsum(is_partial.reshape(-1)).reshape(kinds.shape) - 1, -1)
+    else:  # the kernels evaluate the predicate at the table's batch index
+        pid = np.where(is_partial, np.arange(Bt).reshape(Bt, 1, 1, 1), -1)
     counts, lists = _lists(nonempty, pid)
     tcounts, tlists = _lists(np.swapaxes(nonempty, -1, -2), np.swapaxes(pid, -1, -2))
     off_cnt = HEADER
@@ -115,29 +133,69 @@ def host_layout(kinds: np.ndarray, q_block: int, kv_block: int) -> tuple[np.ndar
     off_tcnt = off_list + lists.size
     off_tlist = off_tcnt + tcounts.size
     off_bits = off_tlist + tlists.size
-    if off_bits + int(is_partial.sum()) * q_block * wpr >= 2**31:
+    tail: list[np.ndarray] = []
+    if pred is not None:
+        tail = _param_area(pred, off_bits)
+        off_bits += sum(a.size for a in tail)
+    n_bits = 0 if pred is not None else int(is_partial.sum()) * q_block * wpr
+    if off_bits + n_bits >= 2**31:
         raise ValueError("block mask table exceeds 2**31 int32 words")
     header = np.zeros(HEADER, np.int32)
     header[:12] = (
         nq, nk, Ht if Bt > 1 else 0, 1 if Ht > 1 else 0, q_block, kv_block, wpr,
         off_cnt, off_list, off_bits, off_tcnt, off_tlist,
     )  # fmt: skip
+    if pred is not None:
+        header[12:15] = (off_tlist + tlists.size, L, S)
     parts = [header, counts.reshape(-1), lists.reshape(-1), tcounts.reshape(-1)]
-    host = np.concatenate(parts + [tlists.reshape(-1)]).astype(np.int32)
+    host = np.concatenate(parts + [tlists.reshape(-1)] + tail).astype(np.int32)
     partial = np.argwhere(is_partial).astype(np.int64)
     return host, partial
 
 
+def _param_area(pred: Predicate, start: int) -> list[np.ndarray]:
+    """The predicate's parameters (array slots set to their arrays' table offsets) and
+    the arrays, laid out from int32 offset ``start``."""
+    params = np.asarray(pred.params, np.int64)
+    at = start + params.size
+    for slot, arr in pred.arrays:
+        params[slot] = at
+        at += arr.size
+    return [params.astype(np.int32)] + [a.reshape(-1) for _, a in pred.arrays]
+
+
+def predicate(bm: BlockMask) -> Predicate | None:
+    """The kernels' predicate for ``bm`` (``flex_pred.generate``, cached on the block
+    mask), or ``None`` for the bits path (also whenever ``ARRAYATTN_FLEX_PREDICATE=0``)."""
+    if not predicate_enabled():
+        return None
+    key = ("cuda_flex_predicate",)
+    if key not in bm._tables:
+        bm._tables[key] = generate(bm.mask_mod, int(bm.kinds.shape[0]))
+    got: Predicate | None = bm._tables[key]
+    return got
+
+
+def prelude(bm: BlockMask) -> str:
+    """The source the kernels reading ``bm``'s table are compiled with in front of theirs:
+    the predicate's (:func:`predicate`), or ``""`` for the bits path."""
+    pred = predicate(bm)
+    return "" if pred is None else pred.source
+
+
 def build(bm: BlockMask, xp: Any, device: Any = None) -> Any:
     """The whole table as one int32 array of ``xp`` (CuPy on a GPU): the host part of
-    :func:`host_layout` and the partial blocks' bits, the mask_mod evaluated on index
-    arrays of ``xp`` over the partial blocks only."""
+    :func:`host_layout` and, without a :func:`predicate`, the partial blocks' bits, the
+    mask_mod evaluated on index arrays of ``xp`` over the partial blocks only."""
     _, _, L, S = bm.shape
     qb, kb = bm.Q_BLOCK, bm.KV_BLOCK
     wpr = -(-kb // 32)
-    host, partial = host_layout(bm.kinds, qb, kb)
+    pred = predicate(bm)
+    host, partial = host_layout(bm.kinds, qb, kb, pred, L, S)
     kw = {} if device is None else {"device": device}
     parts = [xp.asarray(host, **kw)]
+    if pred is not None:  # the kernels evaluate the predicate: no bits
+        return parts[0]
     chunk = max(1, _EVAL_PAIRS // (qb * wpr * 32))
     weights = xp.asarray((np.uint32(1) << np.arange(32, dtype=np.uint32)), **kw)
     r = xp.reshape(xp.arange(qb, dtype=xp.int32, **kw), (1, qb, 1))
@@ -166,7 +224,8 @@ def build(bm: BlockMask, xp: Any, device: Any = None) -> Any:
 def table(bm: BlockMask, xp: Any, device_key: Any, device: Any = None) -> Any:
     """:func:`build`'s table for ``bm`` on one device, cached on the block mask."""
     cache = bm._tables
-    key = ("cuda_flex_table", str(device_key))
+    # (the predicate switch is part of the key: A/B runs flip it between calls)
+    key = ("cuda_flex_table", str(device_key), predicate(bm) is not None)
     got = cache.get(key)
     if got is None:
         got = build(bm, xp, device)

@@ -263,7 +263,9 @@ class FusedAttention:
         st = spec.structure
         diag = kernel_diagonal(spec)
         assert diag is not None  # declines() refused the call otherwise
-        kernel = _loader.get_kernel("attn_fwd.cu", launch.name, cfg.smem_bytes)
+        # a built-in mask_mod's predicate is compiled into the kernel (flex_table.prelude)
+        prelude = "" if spec.block_mask is None else flex_table.prelude(spec.block_mask)
+        kernel = _loader.get_kernel("attn_fwd.cu", launch.name, cfg.smem_bytes, prelude)
 
         i64 = np.int64
         cap = 1.0 if spec.softcap is None else spec.softcap
