@@ -43,8 +43,9 @@ def cuda_include() -> Path | None:
     return None
 
 
-def _source(names: list[str], kernel_file: str = "attn_bwd.cu") -> str:
+def _source(names: list[str], kernel_file: str = "attn_bwd.cu", prelude: str = "") -> str:
     lines = [
+        prelude,  # a block-mask predicate (flex_pred.py) in front, as the loader does
         '#include "backward_emulator.h"',
         f'#include "{kernel_file}"',
         "#include <cstring>",
@@ -91,14 +92,15 @@ def compile_library(
     flags: tuple[str, ...] = ("-O1",),
     kernels_dir: Path | None = None,
     kernel_file: str = "attn_bwd.cu",
+    prelude: str = "",
 ) -> Path:
     """Compile the emulator library for the instantiations ``names`` of ``kernel_file``
     (``attn_bwd.cu`` or ``decode_attn.cu``) with ``flags`` (optimisation, sanitizers);
     cached in ``work`` by content and flags. ``kernels_dir`` replaces the package's kernel
-    sources (a mutated copy)."""
+    sources (a mutated copy); ``prelude`` goes in front (``flex_table.prelude``)."""
     kernels = kernels_dir or Path(str(resources.files("arrayattn.attention.cuda")))
     inc = cuda_include()
-    text = _source(names, kernel_file)
+    text = _source(names, kernel_file, prelude)
     digest = hashlib.sha256(
         (
             " ".join(flags)
@@ -172,7 +174,9 @@ def load(lib: Path) -> ctypes.CDLL:
     return dll
 
 
-def build(names: list[str], work: Path, kernel_file: str | None = None) -> ctypes.CDLL:
+def build(
+    names: list[str], work: Path, kernel_file: str | None = None, prelude: str = ""
+) -> ctypes.CDLL:
     """Compile (cached) and load the emulator library for the instantiations ``names`` of
     ``kernel_file``; by default ``attn_bwd.cu``, or the v4/v3 source (which includes it)
     when a name is one of their dK/dV kernels (v4 is the default backward variant)."""
@@ -182,7 +186,7 @@ def build(names: list[str], work: Path, kernel_file: str | None = None) -> ctype
             kernel_file = "attn_bwd_v4.cu"
         elif any(n.startswith("aa_bwd_dkdv_mma3<") for n in names):
             kernel_file = "attn_bwd_v3.cu"
-    return load(compile_library(names, work, kernel_file=kernel_file))
+    return load(compile_library(names, work, kernel_file=kernel_file, prelude=prelude))
 
 
 _SCALARS = {

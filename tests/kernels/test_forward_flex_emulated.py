@@ -23,9 +23,10 @@ import test_fused_glue as glue
 from test_forward_emulated import Case, reference
 
 from arrayattn.attention import block_mask as bmod
-from arrayattn.attention.cuda import _loader, flex_table, fused
+from arrayattn.attention.cuda import _loader, flex_pred, flex_table, fused
 from arrayattn.attention.spec import make_spec
 from arrayattn.flex import (
+    and_masks,
     create_block_mask,
     document_mask,
     global_tokens_mask,
@@ -77,15 +78,21 @@ def _run(
     causal: bool = False,
     bottom_right: bool = False,
     want: str,
-) -> None:
-    """fused.forward with ``bm`` on the emulator vs the float64 dense reference."""
+    predicate: bool | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """fused.forward with ``bm`` on the emulator vs the float64 dense reference; with
+    ``predicate`` set, ARRAYATTN_FLEX_PREDICATE=1/0 and a check that the kernel was (not)
+    compiled with the mask_mod's predicate. Returns ``(out, lse)`` in float64."""
     monkeypatch.setenv("ARRAYATTN_FWD_VARIANT", variant)
+    if predicate is not None:
+        monkeypatch.setenv(flex_pred.PREDICATE_ENV, "1" if predicate else "0")
+    del glue.PRELUDES[:]
     launched: list[str] = []
     real = _loader.get_kernel
     monkeypatch.setattr(
-        _loader, "get_kernel", lambda f, n, smem=0: launched.append(n) or real(f, n, smem)
+        _loader, "get_kernel", lambda f, n, *a: launched.append(n) or real(f, n, *a)
     )
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(7)
     q = (rng.standard_normal((B, Hq, L, d)) * 1.5).astype(dtype)
     k = (rng.standard_normal((B, Hkv, S, d)) * 1.5).astype(dtype)
     v = rng.standard_normal((B, Hkv, S, d)).astype(dtype)
@@ -104,7 +111,11 @@ def _run(
     assert fused.declines(spec) is None, fused.declines(spec)
     out, lse = fused.FUSED.forward(spec, q, k, v, attn_mask)
     assert launched and all(n.startswith(want) for n in launched), launched
-    assert len(bm._tables) == 1  # the table is cached on the block mask
+    mode = flex_table.predicate(bm) is not None  # (a table per device and path)
+    tables = [key for key in bm._tables if key[0] == "cuda_flex_table" and key[2] == mode]
+    assert len(tables) == 1  # the table is cached on the block mask
+    if predicate is not None:  # the kernel was compiled with the predicate, or without
+        assert glue.PRELUDES and all(("AA_FLEX_PRED" in p) == predicate for p in glue.PRELUDES)
 
     # float64 reference: the mask_mod dense, ANDed with the dense bool mask
     dense = _dense(bm, B, Hq, L, S)
@@ -131,6 +142,7 @@ def _run(
     fin = ~empty
     lse_err = np.max(np.abs(lse[fin] - ref_lse[fin]) / np.maximum(1, np.abs(ref_lse[fin])))
     assert lse_err <= {np.float16: 1e-4, np.float32: 1e-5, np.float64: 1e-12}[dtype], lse_err
+    return out, lse
 
 
 def _doc_ids(L: int, lengths: list[int]) -> np.ndarray:
@@ -211,6 +223,57 @@ def test_simt_f64_mid_word_tiles_per_head(fake_cupy, monkeypatch) -> None:
          want="aa_fwd_simt<double, 256, false, false, 4>")  # fmt: skip
 
 
+# -- built-in mask_mods evaluated in the kernels (flex_pred.py) ---------------------------------
+def _pred_cases() -> dict[str, tuple]:
+    """name -> (mask_mod, B of the block mask, block size, run keyword arguments): every
+    built-in under the predicate, block sizes that do not divide L, GQA and lengths."""
+    L, S = 200, 230
+    ids2 = np.stack([_doc_ids(L, [60, 100, 40]), _doc_ids(L, [150, 50])])
+    kv2 = np.stack([_doc_ids(S, [80, 100, 50]), _doc_ids(S, [30, 200])])
+    win_glob = or_masks(sliding_window_mask(40, 0), global_tokens_mask(12))
+    return {
+        # self documents, not causal, per-batch ids, GQA (v2, D = 64: 128 x 64 tiles)
+        "document_self": (document_mask(ids2), 2, (128, 64),
+                          dict(variant="v2", dtype=np.float16, d=64, B=2, Hq=4, Hkv=2, L=L,
+                               S=L, want="aa_fwd_tc2<0, 64, false, 4, false>")),
+        # q/kv documents differing, causal, lengths (v1 tensor cores, D = 96)
+        "document_qkv_causal": (document_mask(ids2, kv2, causal=True), 2, (128, 64),
+                                dict(variant="v1", dtype=np.float16, d=96, B=2, Hq=2, Hkv=1,
+                                     L=L, S=S, q_lens=[200, 130], kv_lens=[230, 170],
+                                     want="aa_fwd_tc<0, 96,")),
+        # per-batch prefix-LM, lengths, sinks (CUDA cores, float64 at D = 256: 32 x 16
+        # tiles starting mid-word in the bits path's 48-key rows)
+        "prefix_lm": (prefix_lm_mask(np.array([50, 150])), 2, (96, 48),
+                      dict(variant="v2", dtype=np.float64, d=256, B=2, Hq=2, Hkv=2, L=L, S=S,
+                           sinks=True, q_lens=[200, 120], kv_lens=[230, 90],
+                           want="aa_fwd_simt<double, 256, false, false, 4>")),
+        # window + global tokens, GQA (v3, float32 on tensor cores)
+        "window_global": (win_glob, None, (128, 64),
+                          dict(variant="v3", dtype=np.float32, d=128, B=1, Hq=2, Hkv=1, L=L,
+                               S=S, want="aa_fwd_tf32<128, false, 4, false>")),
+        # and/or: (window or global) and documents, causal alignment of a dense bool mask
+        "and_or": (and_masks(win_glob, document_mask(_doc_ids(L, [90, 110]))), None, (128, 64),
+                   dict(variant="v2", dtype=np.float16, d=128, B=1, Hq=2, Hkv=2, L=L, S=L,
+                        want="aa_fwd_tc2<0, 128, false, 4, false>")),
+    }  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(_pred_cases()))
+def test_predicate_equals_bits_and_reference(fake_cupy, monkeypatch, name) -> None:
+    """The predicate path (the mask_mod compiled into the kernel, no bits in the table)
+    and the bits path (ARRAYATTN_FLEX_PREDICATE=0) each against the float64 reference,
+    and bit for bit equal to each other (same scores, same masking)."""
+    mod, Bm, block, kw = _pred_cases()[name]
+    bm = create_block_mask(mod, Bm, None, kw["L"], kw["S"], block_size=block)
+    assert (bm.kinds == bmod.PARTIAL).any()
+    assert flex_pred.generate(bm.mask_mod, bm.kinds.shape[0]) is not None
+    out_p, lse_p = _run(monkeypatch, bm=bm, predicate=True, **kw)
+    out_b, lse_b = _run(monkeypatch, bm=bm, predicate=False, **kw)
+    np.testing.assert_array_equal(out_p, out_b)
+    np.testing.assert_array_equal(lse_p, lse_b)
+
+
 @pytest.mark.slow
 def test_v2_document_no_data_race(fake_cupy, monkeypatch, tmp_path: Path) -> None:
     """ThreadSanitizer over aa_fwd_tc2 with a block mask (the listed-tile prefetch into
@@ -250,9 +313,11 @@ def test_v2_document_no_data_race(fake_cupy, monkeypatch, tmp_path: Path) -> Non
 
 
 # -- host side only (no emulator) ---------------------------------------------------------
-def test_table_layout_and_bits() -> None:
+def test_table_layout_and_bits(monkeypatch) -> None:
     """The table against BlockMask.kinds (counts, ascending lists, partial ids) and the
-    bits against the mask_mod, including a ragged last block and B/H broadcasting."""
+    bits against the mask_mod, including a ragged last block and B/H broadcasting (the
+    bits path: ARRAYATTN_FLEX_PREDICATE=0, else a built-in has no bits)."""
+    monkeypatch.setenv(flex_pred.PREDICATE_ENV, "0")
     L, S = 200, 170
     ids = np.stack([_doc_ids(L, [60, 140]), _doc_ids(L, [150, 50])])
     kv_ids = ids[:, :S]

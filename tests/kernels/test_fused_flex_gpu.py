@@ -49,9 +49,9 @@ def launched(monkeypatch) -> list[str]:
     names: list[str] = []
     real = _loader.get_kernel
 
-    def spy(filename, name, smem=0):
+    def spy(filename, name, smem=0, prelude=""):
         names.append(name)
-        return real(filename, name, smem)
+        return real(filename, name, smem, prelude)
 
     monkeypatch.setattr(_loader, "get_kernel", spy)
     return names

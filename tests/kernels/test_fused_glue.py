@@ -13,6 +13,7 @@ Not covered: CuPy and NVRTC themselves (GPU tests).
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import re
 import shutil
 import subprocess
@@ -32,6 +33,8 @@ pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
 _EXES: dict[str, Path] = {}
+PRELUDES: list[str] = []
+"""The preludes of the modules the fake CuPy compiled (the tests check which path ran)."""
 
 
 def _cfg(name: str) -> str:
@@ -47,17 +50,28 @@ def _cfg(name: str) -> str:
     return f"AaTcCfg<{d}, {mt}>" if kind == "tc" else f"AaSimtCfg<{t}, {d}>"
 
 
-def _exe(name: str, work: Path) -> Path:
-    if name not in _EXES:
+def prelude_args(prelude: str, work: Path) -> list[str]:
+    """g++ arguments putting ``prelude`` (a block-mask predicate, ``flex_pred.py``) in
+    front of the kernel source, as the loader does for NVRTC."""
+    if not prelude:
+        return []
+    path = work / f"prelude_{hashlib.sha256(prelude.encode()).hexdigest()[:16]}.h"
+    path.write_text(prelude)
+    return ["-include", str(path)]
+
+
+def _exe(name: str, work: Path, prelude: str = "") -> Path:
+    key = name + "\n" + prelude
+    if key not in _EXES:
         exe = work / f"launch_{len(_EXES)}"
         cmd = ["g++", "-std=c++20", "-O1", "-pthread", "-I", str(HERE), "-I",
                str(resources.files("arrayattn.attention.cuda")), f"-DAA_KERNEL={name}",
-               f"-DAA_CFG={_cfg(name)}", str(HERE / "forward_emulator_launch.cpp"), "-o",
-               str(exe)]  # fmt: skip
+               f"-DAA_CFG={_cfg(name)}", *prelude_args(prelude, work),
+               str(HERE / "forward_emulator_launch.cpp"), "-o", str(exe)]  # fmt: skip
         res = subprocess.run(cmd, capture_output=True, text=True)
         assert res.returncode == 0, res.stderr[-3000:]
-        _EXES[name] = exe
-    return _EXES[name]
+        _EXES[key] = exe
+    return _EXES[key]
 
 
 def _extent(a: np.ndarray) -> tuple[int, int]:
@@ -76,14 +90,15 @@ _TAGS = {np.int64: "q", np.int32: "i", np.uint32: "I", np.float32: "f", np.float
 
 
 class _FakeKernel:
-    def __init__(self, name: str, work: Path) -> None:
+    def __init__(self, name: str, work: Path, prelude: str = "") -> None:
         self.name = name
         self.work = work
+        self.prelude = prelude
         self.max_dynamic_shared_size_bytes = 0
         self.launches = 0
 
     def __call__(self, grid, block, args, shared_mem=0):
-        exe = _exe(self.name, self.work)
+        exe = _exe(self.name, self.work, self.prelude)
         ranges = []
         records = []
         for a in args:
@@ -172,10 +187,14 @@ def _fake_cupy(work: Path) -> types.ModuleType:
         def __init__(self, code: str, options=(), name_expressions=()) -> None:
             assert "aa_drop_round" in code and "#include" not in code.split("aa_smem")[0][-200:]
             self.names = list(name_expressions)
+            # what the loader put in front of the source (a block-mask predicate)
+            src = _loader.kernel_source("attn_fwd.cu")
+            self.prelude = code[: len(code) - len(src)] if code.endswith(src) else ""
+            PRELUDES.append(self.prelude)
 
         def get_function(self, name: str) -> _FakeKernel:
             assert name in self.names
-            return _FakeKernel(name, work)
+            return _FakeKernel(name, work, self.prelude)
 
     cp.RawModule = RawModule
     return cp
@@ -276,7 +295,7 @@ def test_forward_variant_v2_float16(fake_cupy, monkeypatch, features) -> None:
     launched: list[str] = []
     real = _loader.get_kernel
     monkeypatch.setattr(
-        _loader, "get_kernel", lambda f, n, smem=0: launched.append(n) or real(f, n, smem)
+        _loader, "get_kernel", lambda f, n, *a: launched.append(n) or real(f, n, *a)
     )
     rng = np.random.default_rng()
     e = 64 if features else 128
@@ -303,7 +322,7 @@ def test_forward_variant_v3_float32(fake_cupy, monkeypatch, features) -> None:
     launched: list[str] = []
     real = _loader.get_kernel
     monkeypatch.setattr(
-        _loader, "get_kernel", lambda f, n, smem=0: launched.append(n) or real(f, n, smem)
+        _loader, "get_kernel", lambda f, n, *a: launched.append(n) or real(f, n, *a)
     )
     rng = np.random.default_rng()
     e = 64 if features else 128

@@ -237,9 +237,7 @@ def test_forward_variant_runs_its_kernel(monkeypatch, fwd_variant, causal) -> No
 
     names: list[str] = []
     real = _loader.get_kernel
-    monkeypatch.setattr(
-        _loader, "get_kernel", lambda f, n, smem=0: names.append(n) or real(f, n, smem)
-    )
+    monkeypatch.setattr(_loader, "get_kernel", lambda f, n, *a: names.append(n) or real(f, n, *a))
     _run_case(np.float16, 2, 4, 2, 1000, 1000, 128, seed_data=13, is_causal=causal)
     want = "aa_fwd_tc2<0, 128," if fwd_variant == "v2" else "aa_fwd_tc<0, 128,"
     assert any(n.startswith(want) for n in names), names
@@ -255,9 +253,7 @@ def test_float32_variant_runs_its_kernel(monkeypatch, fwd_variant, dtype, E) -> 
 
     names: list[str] = []
     real = _loader.get_kernel
-    monkeypatch.setattr(
-        _loader, "get_kernel", lambda f, n, smem=0: names.append(n) or real(f, n, smem)
-    )
+    monkeypatch.setattr(_loader, "get_kernel", lambda f, n, *a: names.append(n) or real(f, n, *a))
     _run_case(dtype, 2, 4, 2, 1000, 1000, E, seed_data=17, is_causal=True)
     want = f"aa_fwd_tf32<{E}," if fwd_variant == "v3" else f"aa_fwd_simt<float, {E},"
     assert any(n.startswith(want) for n in names), names
