@@ -277,21 +277,23 @@ def test_predicate_equals_bits_and_reference(fake_cupy, monkeypatch, name) -> No
 @pytest.mark.slow
 def test_v2_document_no_data_race(fake_cupy, monkeypatch, tmp_path: Path) -> None:
     """ThreadSanitizer over aa_fwd_tc2 with a block mask (the listed-tile prefetch into
-    the other stage): no report, and the result still matches."""
+    the other stage; the document mask_mod evaluated in the kernel, AA_FLEX_PRED): no
+    report, and the result still matches."""
     if not tsan.program_runs(tmp_path):
         pytest.skip("g++ cannot build and run a -fsanitize=thread program here")
     built: dict[str, Path] = {}
 
-    def exe(name: str, work: Path) -> Path:
-        if name not in built:
+    def exe(name: str, work: Path, prelude: str = "") -> Path:
+        if name + prelude not in built:
             out = tmp_path / f"tsan_{len(built)}"
             cmd = ["g++", "-std=c++20", *tsan.FLAGS, "-pthread", "-I", str(glue.HERE), "-I",
                    str(tsan.KERNELS), f"-DAA_KERNEL={name}", f"-DAA_CFG={glue._cfg(name)}",
+                   *glue.prelude_args(prelude, work),
                    str(glue.HERE / "forward_emulator_launch.cpp"), "-o", str(out)]  # fmt: skip
             res = subprocess.run(cmd, capture_output=True, text=True)
             assert res.returncode == 0, res.stderr[-3000:]
-            built[name] = out
-        return built[name]
+            built[name + prelude] = out
+        return built[name + prelude]
 
     monkeypatch.setattr(glue, "_exe", exe)
     real_run = subprocess.run
@@ -308,7 +310,7 @@ def test_v2_document_no_data_race(fake_cupy, monkeypatch, tmp_path: Path) -> Non
         document_mask(_doc_ids(L, [30, 120, 50]), causal=True), None, None, L, L,
         block_size=(128, 64),
     )  # fmt: skip
-    _run(monkeypatch, "v2", np.float16, 64, bm, B=1, Hq=2, Hkv=1, L=L, S=L,
+    _run(monkeypatch, "v2", np.float16, 64, bm, B=1, Hq=2, Hkv=1, L=L, S=L, predicate=True,
          want="aa_fwd_tc2<0, 64, false, 4, false>")  # fmt: skip
 
 

@@ -102,7 +102,9 @@ def _window(pred: Predicate, m: mm._Window) -> str:
         parts.append(f"(kv - q >= {pred.param(m.offset - m.left)})")
     if m.right >= 0:  # kv <= q + offset + right
         parts.append(f"(kv - q <= {pred.param(m.offset + m.right)})")
-    return "(" + " && ".join(parts) + ")" if parts else "true"
+    if not parts:
+        return "true"
+    return parts[0] if len(parts) == 1 else "(" + " && ".join(parts) + ")"
 
 
 def _document(pred: Predicate, m: mm._Document, batches: int) -> str:
