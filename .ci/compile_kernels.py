@@ -19,7 +19,8 @@ list[str]]`` (source file -> name expressions) and ``HOT_VARIANTS: list[str]`` o
 variants (``tiles.py``).
 
 Usage: ``python .ci/compile_kernels.py [--jobs N] [--arch sm_90] [--hot-only]
-[--source attn_fwd.cu ...]``
+[--source attn_fwd.cu ...] [--flex-pred]`` (``--flex-pred``: the block-mask predicate
+variants of ``flex_pred.compile_variants``, bits path and predicate side by side).
 """
 
 from __future__ import annotations
@@ -182,10 +183,11 @@ def parse_ptxas(text: str) -> dict[str, Report]:
 
 
 def compile_group(
-    source: str, names: list[str], arch: str, work: Path, tag: str
+    source: str, names: list[str], arch: str, work: Path, tag: str, prelude: str = ""
 ) -> tuple[str, str, int]:
-    """Compile one wrapper; returns (tag, ptxas/nvcc output, return code)."""
-    lines = [kernel_source(source), "", "// instantiations (the cupy name expressions)"]
+    """Compile one wrapper (``prelude`` in front of the source, as the loader puts a
+    block-mask predicate); returns (tag, ptxas/nvcc output, return code)."""
+    lines = [prelude + kernel_source(source), "", "// instantiations (the cupy name expressions)"]
     for i, name in enumerate(names):
         lines.append(f"void* aa_compile_check_{i}() {{ return (void*)&{name}; }}")
     src = work / f"{tag}.cu"
@@ -225,11 +227,71 @@ def _extra_variants() -> tuple[dict[str, list[str]], set[str]]:
     return variants, hot
 
 
+def flex_pred_check(arch: str, jobs: int) -> int:
+    """``--flex-pred``: one block-mask instantiation per kernel family
+    (``flex_pred.compile_variants``) compiled as the bits path reads the table and with a
+    generated predicate in front (``flex_pred.sample_prelude``), side by side; 1 when a
+    predicate variant spills or is not reported, 2 on a compile error."""
+    from arrayattn.attention.cuda.flex_pred import compile_variants, sample_prelude
+
+    variants = compile_variants()
+    modes = {"bits": "", "pred": sample_prelude()}
+    reports: dict[str, dict[str, Report]] = {m: {} for m in modes}
+    failed = []
+    with tempfile.TemporaryDirectory(prefix="aa_compile_pred_") as tmp:
+        work = Path(tmp)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            futs = {
+                pool.submit(
+                    compile_group, src, [name], arch, work, f"{mode}_{Path(src).stem}_{i}", pre
+                ): mode
+                for mode, pre in modes.items()
+                for src, names in variants.items()
+                for i, name in enumerate(names)
+            }
+            for fut in concurrent.futures.as_completed(futs):
+                tag, text, rc = fut.result()
+                if rc != 0:
+                    failed.append((tag, text))
+                    continue
+                reports[futs[fut]].update(parse_ptxas(text))
+    names = [n for ns in variants.values() for n in ns]
+    width = max(len(n) for n in names)
+    cols = "regs stack spill_st spill_ld"
+    print(f"{'variant':<{width}}  bits: {cols} | pred: {cols}")
+    status = 0
+    for name in names:
+        row = [f"{name:<{width}}"]
+        for mode in modes:
+            rep = reports[mode].get(_norm(name))
+            if rep is None:
+                row.append(" (no ptxas report)")
+                status = max(status, 1)
+                continue
+            row.append(
+                f"{rep.registers:5d} {rep.stack:5d} {rep.spill_stores:8d} {rep.spill_loads:8d}"
+            )
+            if mode == "pred" and rep.spills:
+                status = max(status, 1)
+        print("  ".join(row[:1]) + "        " + " | ".join(row[1:]))
+    for tag, text in failed:
+        print(f"--- compile error in {tag} ---\n{text[-4000:]}", file=sys.stderr)
+        status = 2
+    if status == 1:
+        print("FAIL: a predicate variant spills registers (or was not reported)", file=sys.stderr)
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--hot-only", action="store_true", help="only the hot variants")
+    ap.add_argument(
+        "--flex-pred",
+        action="store_true",
+        help="only the block-mask predicate variants, beside their bits-path builds",
+    )
     ap.add_argument(
         "--source", action="append", help="only these .cu files (repeatable; default: all)"
     )
@@ -238,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("nvcc") is None:
         print("nvcc not found: CUDA kernel compile check skipped")
         return 0
+    if args.flex_pred:
+        return flex_pred_check(args.arch, args.jobs)
 
     def wanted(source: str) -> bool:
         return not args.source or source in args.source

@@ -18,7 +18,8 @@
 #   ab_fwd, ab_bwd, ab_decode(_kernels): the v1 and v2 kernel variants one after the other
 #   (ab_bwd: backward v2 and v4, or AB_VARIANTS; ab_fwd_f32: float32 forward v2 (CUDA
 #   cores) and v3 (TF32x3));
-#   flex_bench: block masks vs PyTorch flex_attention; f32_accuracy: float32 forward v2/v3
+#   flex_bench: block masks vs PyTorch flex_attention; ab_flex_pred: built-in mask_mods
+#   evaluated in the kernels vs their bits (ARRAYATTN_FLEX_PREDICATE=0/1); f32_accuracy: float32 forward v2/v3
 #   against float64; SANITIZE_ENV: switches for the
 #   sanitizers only;
 #   host: where a small call's host time goes; RACE_DTYPES: racecheck's dtypes;
@@ -213,6 +214,17 @@ stage ab_bwd 120 ab_bwd ARRAYATTN_BWD_VARIANT --dtypes float16 --head-dims 64,12
 # flex_bench: block masks in the kernels (backward kernels opt-in on) against PyTorch's
 # compiled flex_attention on the same mask_mod (issue 32)
 stage flex_bench 120 "$py" bench/gpu_flex_bench.py --out "$out/bench.md"
+# ab_flex_pred: built-in mask_mods evaluated in the kernels (a generated predicate, no bits
+# in the table; the default) against the partial blocks' bits (ARRAYATTN_FLEX_PREDICATE=0),
+# the same packed documents, forward and forward + backward (no PyTorch rows)
+ab_flex_pred() {
+  local v
+  for v in 0 1; do
+    env ARRAYATTN_FLEX_PREDICATE=$v "$py" bench/gpu_flex_bench.py --no-torch "$@" || return 1
+  done
+}
+export -f ab_flex_pred
+stage ab_flex_pred 90 ab_flex_pred --out "$out/bench.md"
 stage ab_decode 60 ab ARRAYATTN_DECODE_VARIANT --decode 4096,16384,65536,131072 --reps 30 \
   --out "$out/bench.md"
 stage ab_decode_kernels 40 "$py" bench/gpu_decode_kernels.py --out "$out/bench.md"

@@ -8,6 +8,9 @@ of ``--reps`` synchronised calls after warm-up:
 - arrayattn with ``block_mask=`` (``create_block_mask(document_mask(ids, causal=True))``):
   the forward, and forward + backward through ``arrayattn.vjp`` with the backward kernels'
   block-mask instantiations (``ARRAYATTN_FLEX_BWD_KERNELS=1``, set here unless given);
+  The kernels read the mask_mod compiled in (a predicate, no bits) unless
+  ``ARRAYATTN_FLEX_PREDICATE=0`` (bits): the header line says which, with the table's
+  bytes and build time (``bench/gpu_first_contact.sh``'s ``ab_flex_pred`` runs both);
 - the same mask as a dense bool ``attn_mask`` (forward), and plain causal over the whole
   sequence (the kernels with no block table; more pairs than the documents have);
 - PyTorch: ``torch.compile(flex_attention)`` with its own ``create_block_mask`` on the same
@@ -111,6 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     t_create = min(t_create, timed(
         lambda: flex.create_block_mask(flex.document_mask(ids, causal=True), B, None, L, L, xp=xp)
     ))  # fmt: skip
+    # The kernels' table: the partial blocks' bits, or (a built-in mask_mod, unless
+    # ARRAYATTN_FLEX_PREDICATE=0) the predicate's parameters and the ids, no bits.
+    from arrayattn.attention.cuda import flex_table
+
+    table = flex_table.build(bm, xp)
+    t_table = timed(lambda: flex_table.build(bm, xp))
+    path = "predicate" if flex_table.predicate(bm) is not None else "bits"
     i = xp.arange(L)
     dense = (ids[:, None] == ids[None, :]) & (i[None, :] <= i[:, None])
     ref = aa.scaled_dot_product_attention(q, k, v, attn_mask=dense)
@@ -157,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n",
         f"packed {args.docs} causal documents (lengths {', '.join(map(str, lens))}), "
         f"B=1 H={H} L=S={L} D={E} {np.dtype(dt).name}; block mask "
-        f"{bm.sparsity():.1f}% empty, `create_block_mask` {t_create:.2f} ms; "
+        f"{bm.sparsity():.1f}% empty, `create_block_mask` {t_create:.2f} ms; kernel table "
+        f"({path}, ARRAYATTN_FLEX_PREDICATE={os.environ.get('ARRAYATTN_FLEX_PREDICATE')}) "
+        f"{int(table.nbytes)} bytes, built in {t_table:.2f} ms; "
         f"ARRAYATTN_FLEX_BWD_KERNELS={os.environ.get('ARRAYATTN_FLEX_BWD_KERNELS')}; "
         f"median of {args.reps}. {torch_note}\n",
         "| call | ms | TFLOP/s (kept pairs) | err vs dense |",

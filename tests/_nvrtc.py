@@ -43,12 +43,15 @@ def find_nvrtc() -> ctypes.CDLL | None:
     return None
 
 
-def lowered_names(lib: ctypes.CDLL, source: str, names: list[str]) -> dict[str, bytes]:
-    """Compile ``source`` (local headers inlined, as the loader does) with the loader's
-    options for sm_90 and every name expression in ``names``; return each name's lowered
-    (mangled) name. Fails with the end of NVRTC's log when the compile fails."""
+def lowered_names(
+    lib: ctypes.CDLL, source: str, names: list[str], prelude: str = ""
+) -> dict[str, bytes]:
+    """Compile ``source`` (local headers inlined, as the loader does, ``prelude`` in front:
+    a block-mask predicate) with the loader's options for sm_90 and every name expression
+    in ``names``; return each name's lowered (mangled) name. Fails with the end of NVRTC's
+    log when the compile fails."""
     prog = ctypes.c_void_p()
-    src = _loader.kernel_source(source).encode()
+    src = (prelude + _loader.kernel_source(source)).encode()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, source.encode(), 0, None, None) == 0
     try:
         for name in names:

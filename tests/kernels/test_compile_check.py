@@ -57,3 +57,19 @@ def test_hot_variants_compile_without_spills() -> None:
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "aa_fwd_tc<0, 128, 2, false, false, 0>" in res.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_flex_predicate_variants_compile_without_spills() -> None:
+    """One block-mask instantiation per kernel family with a generated predicate in front
+    (``--flex-pred``, beside the same instantiations on the bits path): no spills."""
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--flex-pred"],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "aa_fwd_tc2<0, 64, false, 4, false>" in res.stdout
+    assert "aa_bwd_dkdv_mma2<AaF16, 64, 8, 64, 64, true>" in res.stdout

@@ -27,7 +27,7 @@ if _NDEV == 0:
 
 import arrayattn as aa  # noqa: E402
 from arrayattn import flex  # noqa: E402
-from arrayattn.attention.cuda import _loader, fused  # noqa: E402
+from arrayattn.attention.cuda import _loader, flex_pred, fused  # noqa: E402
 from arrayattn.attention.cuda import backward as kernels_backward  # noqa: E402
 from arrayattn.attention.registry import auto_choice  # noqa: E402
 from arrayattn.attention.spec import make_spec  # noqa: E402
@@ -43,6 +43,23 @@ def _poison(monkeypatch):
     monkeypatch.setattr(fused, "POISON_OUTPUTS", True)
 
 
+_PRELUDES: list[str] = []
+"""The preludes the loader got during the test (a built-in mask_mod's predicate or "")."""
+
+# Built-in mask_mods evaluated in the kernels (flex_pred.py, the default) and the bits path
+# (ARRAYATTN_FLEX_PREDICATE=0): both on every block-mask run below.
+_PRED = pytest.mark.parametrize("predicate", [True, False], ids=["pred", "bits"])
+
+
+def _set_predicate(monkeypatch, predicate: bool) -> None:
+    monkeypatch.setenv(flex_pred.PREDICATE_ENV, "1" if predicate else "0")
+
+
+def _check_path(predicate: bool) -> None:
+    """Every kernel loaded was compiled with the predicate (or none was)."""
+    assert _PRELUDES and all(("AA_FLEX_PRED" in p) == predicate for p in _PRELUDES), _PRELUDES
+
+
 @pytest.fixture
 def launched(monkeypatch) -> list[str]:
     """Name expressions of the forward kernels loaded during the test."""
@@ -51,7 +68,10 @@ def launched(monkeypatch) -> list[str]:
 
     def spy(filename, name, smem=0, prelude=""):
         names.append(name)
+        _PRELUDES.append(prelude)
         return real(filename, name, smem, prelude)
+
+    del _PRELUDES[:]
 
     monkeypatch.setattr(_loader, "get_kernel", spy)
     return names
@@ -104,10 +124,14 @@ _RUNS = [
 ]  # fmt: skip
 
 
+@_PRED
 @pytest.mark.parametrize("case,dtype,variant,E", _RUNS)
-def test_block_mask_matches_numpy(case, dtype, variant, E, launched, monkeypatch) -> None:
+def test_block_mask_matches_numpy(case, dtype, variant, E, launched, monkeypatch,
+                                  predicate) -> None:  # fmt: skip
     """The fused forward with a block mask (block size 128: every kernel's tiles) against
-    NumPy's composed path in float64 on the same (rounded) inputs."""
+    NumPy's composed path in float64 on the same (rounded) inputs; the built-in mask_mod
+    evaluated in the kernel, or its bits (``predicate``)."""
+    _set_predicate(monkeypatch, predicate)
     monkeypatch.setenv("ARRAYATTN_FWD_VARIANT", variant)
     B, Hq, Hkv, L, S, extra = _CASES[case]
     rng = np.random.default_rng(abs(hash((case, E))) % 2**32)
@@ -148,7 +172,9 @@ def test_block_mask_matches_numpy(case, dtype, variant, E, launched, monkeypatch
         assert all(n.startswith("aa_fwd_tc2<") for n in launched), launched
     if variant == "v3":  # float32 on tensor cores, every mask kind
         assert all(n.startswith("aa_fwd_tf32<") for n in launched), launched
-    assert len(bm._tables) == 1  # the table was built once, on this device
+    tables = [key for key in bm._tables if key[0] == "cuda_flex_table"]
+    assert len(tables) == 1  # the table was built once, on this device
+    _check_path(predicate)
     out_np = cp.asnumpy(out).astype(np.float64)
     lse_np = cp.asnumpy(lse).astype(np.float64)
     assert not np.isnan(out_np).any() and not np.isnan(lse_np).any()
@@ -239,14 +265,16 @@ _BWD_RUNS = [
 _GRAD_TOL = {"float16": 2e-2, "float32": 4e-5}  # (the emulated tests' bounds)
 
 
+@_PRED
 @pytest.mark.parametrize("case,dtype,deterministic", _BWD_RUNS)
 def test_backward_kernels_with_block_masks(case, dtype, deterministic, launched,
-                                           monkeypatch) -> None:  # fmt: skip
+                                           monkeypatch, predicate) -> None:  # fmt: skip
     """By default (ARRAYATTN_FLEX_BWD_KERNELS unset) vjp with a block mask runs the
     backward kernels' FLEX instantiations (spy: the dK/dV kernel, and the dQ kernel in
     deterministic mode, with the last template argument ``true``); out, dq, dk, dv
     against NumPy float64 (the composed path on the same rounded inputs)."""
     monkeypatch.delenv(kernels_backward.FLEX_ENV, raising=False)
+    _set_predicate(monkeypatch, predicate)
     B, Hq, Hkv, L, S, extra = _CASES[case]
     E = 64
     rng = np.random.default_rng(abs(hash((case, dtype))) % 2**32)
@@ -281,6 +309,7 @@ def test_backward_kernels_with_block_masks(case, dtype, deterministic, launched,
     assert bool(dq) == deterministic and all(n.endswith(", true>") for n in dq), launched
     family = "mma2<" if dtype == "float16" else "simt<"
     assert all(family in n for n in dkdv + dq), launched
+    _check_path(predicate)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         a_np = cp.asnumpy(a.astype(cp.float64))
         assert np.isfinite(a_np).all(), name

@@ -18,7 +18,7 @@ import _compile_check
 import pytest
 from _nvrtc import find_nvrtc, lowered_names
 
-from arrayattn.attention.cuda import backward, decode, tiles
+from arrayattn.attention.cuda import backward, decode, flex_pred, tiles
 
 
 def _variants() -> dict[str, list[str]]:
@@ -45,4 +45,17 @@ def test_every_variant_compiles_under_nvrtc(source: str) -> None:
     least = {"attn_bwd_v3.cu": 2, "attn_bwd_v4.cu": 4}.get(source, 20)
     assert len(names) >= least, names
     for name, lowered in lowered_names(lib, source, names).items():
+        assert lowered and lowered.startswith(b"_Z"), name
+
+
+@pytest.mark.parametrize("source", ["attn_fwd.cu", "attn_bwd.cu"])
+def test_flex_predicate_variants_compile_under_nvrtc(source: str) -> None:
+    """One block-mask instantiation per kernel family with a generated predicate in front
+    (flex_pred.sample_prelude: every built-in's code shape), as the loader compiles it."""
+    lib = find_nvrtc()
+    if lib is None:
+        pytest.skip("libnvrtc not found (pip install nvidia-cuda-nvrtc, or set ARRAYATTN_NVRTC)")
+    names = flex_pred.compile_variants()[source]
+    prelude = flex_pred.sample_prelude()
+    for name, lowered in lowered_names(lib, source, names, prelude).items():
         assert lowered and lowered.startswith(b"_Z"), name

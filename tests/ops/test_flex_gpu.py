@@ -67,7 +67,11 @@ def test_document_mask_with_t5_bias_equals_numpy(dtype, tol, B, Hq, Hkv, L) -> N
         assert _rel(a_np[fin], b_np[fin]) <= tol, (name, _rel(a_np[fin], b_np[fin]))
 
 
-def test_auto_runs_the_chunked_path_for_score_mod_on_cupy() -> None:
+@pytest.mark.parametrize("predicate", ["1", "0"], ids=["pred", "bits"])
+def test_auto_runs_the_chunked_path_for_score_mod_on_cupy(predicate, monkeypatch) -> None:
+    """(The block mask alone in the kernels: causal_mask evaluated in them, or its bits
+    with ARRAYATTN_FLEX_PREDICATE=0.)"""
+    monkeypatch.setenv("ARRAYATTN_FLEX_PREDICATE", predicate)
     q = cp.ones((1, 2, 256, 64), dtype=cp.float16)
     bm = flex.create_block_mask(flex.causal_mask, None, None, 256, 256, xp=cp)
     spec = make_spec(q, q, q, None, 0.0, False, None, False, "top_left", None, None, None,
@@ -86,3 +90,35 @@ def test_block_mask_from_numpy_is_refused_on_cupy() -> None:
     bm = flex.create_block_mask(flex.causal_mask, None, None, 16, 16)  # NumPy
     with pytest.raises(ValueError, match="library cupy"):
         aa.scaled_dot_product_attention(q, q, q, block_mask=bm)
+
+
+@pytest.mark.parametrize("predicate", ["1", "0"], ids=["pred", "bits"])
+def test_builtin_mask_mods_in_the_kernels_equal_numpy(predicate, monkeypatch) -> None:
+    """Documents (q/kv ids differing) and (window or global tokens) on the fused path,
+    forward and gradients, with the mask_mod evaluated in the kernels or read from bits;
+    the same calls on NumPy float64 (the composed path)."""
+    monkeypatch.setenv("ARRAYATTN_FLEX_PREDICATE", predicate)
+    rng = np.random.default_rng(3)
+    B, H, L, S, E = 2, 4, 400, 520, 64
+    q = rng.standard_normal((B, H, L, E))
+    k, v = (rng.standard_normal((B, H, S, E)) for _ in range(2))
+    g = rng.standard_normal((B, H, L, E))
+    qi = np.stack([np.repeat([0, 1, 2], [100, 200, 100]), np.repeat([0, 1], [300, 100])])
+    ki = np.stack([np.repeat([0, 1, 2], [200, 200, 120]), np.repeat([0, 1], [20, 500])])
+
+    def run(xp, conv):
+        mod = flex.and_masks(
+            flex.document_mask(conv(qi), conv(ki)),
+            flex.or_masks(flex.sliding_window_mask(150, 40), flex.global_tokens_mask(16)),
+        )
+        bm = flex.create_block_mask(mod, B, None, L, S, xp=xp)
+        out, pb = aa.vjp(aa.scaled_dot_product_attention, *(conv(x) for x in (q, k, v)),
+                         block_mask=bm)  # fmt: skip
+        return (out, *pb(conv(g))[:3])
+
+    want = run(np, lambda x: x)
+    got = run(
+        cp, lambda x: cp.asarray(x, dtype=cp.float32) if x.dtype.kind == "f" else cp.asarray(x)
+    )
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert _rel(cp.asnumpy(a), b) <= 4e-5, (name, _rel(cp.asnumpy(a), b))

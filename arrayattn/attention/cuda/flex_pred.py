@@ -30,7 +30,15 @@ import numpy as np
 
 from .. import mask_mods as mm
 
-__all__ = ["PREDICATE_ENV", "Predicate", "predicate_enabled", "generate", "prelude"]
+__all__ = [
+    "PREDICATE_ENV",
+    "Predicate",
+    "predicate_enabled",
+    "generate",
+    "prelude",
+    "sample_prelude",
+    "compile_variants",
+]
 
 PREDICATE_ENV = "ARRAYATTN_FLEX_PREDICATE"
 
@@ -169,3 +177,39 @@ def generate(mask_mod: object, batches: int) -> Predicate | None:
     except _Unsupported:
         return None
     return pred
+
+
+def sample_prelude() -> str:
+    """A representative predicate for the compile checks (``.ci/compile_kernels.py
+    --flex-pred``, ``tests/kernels/test_nvrtc.py``): every built-in's code shape at once
+    (windows, global tokens, per-batch documents and prefix lengths, and/or)."""
+    ids = np.zeros((2, 8), np.int32)
+    mod = mm.and_masks(
+        mm.or_masks(mm.sliding_window_mask(4), mm.global_tokens_mask(1)),
+        mm.or_masks(mm.document_mask(ids, causal=True), mm.prefix_lm_mask(np.zeros(2, np.int32))),
+    )
+    pred = generate(mod, 2)
+    assert pred is not None
+    return pred.source
+
+
+def compile_variants() -> dict[str, list[str]]:
+    """Source file -> one block-mask instantiation per kernel family, compiled with
+    :func:`sample_prelude` by the compile checks: the forward's v1 (``aa_fwd_tc``), v2
+    (``aa_fwd_tc2``), v3 (``aa_fwd_tf32``) and CUDA-core (``aa_fwd_simt``) kernels, the
+    backward's v2 (``mma2``) and CUDA-core (``simt``) dK/dV and dQ kernels."""
+    from .backward import flex_plan
+    from .tiles import forward_kernel_name, forward_kernel_name_tf32
+
+    fwd = [
+        forward_kernel_name("float16", 128, False, False, 4),
+        "aa_fwd_tc2<0, 64, false, 4, false>",
+        forward_kernel_name_tf32(128, False, 4, False),
+        forward_kernel_name("float32", 64, False, False, 4),
+    ]
+    bwd: list[str] = []
+    for kind, d in (("float16", 64), ("float16", 128), ("float32", 64)):
+        plan = flex_plan(kind, d, d)
+        assert plan is not None
+        bwd += [plan.dkdv, plan.dq]
+    return {"attn_fwd.cu": fwd, "attn_bwd.cu": bwd}
