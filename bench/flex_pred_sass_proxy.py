@@ -12,7 +12,7 @@ and the last HMMA (tensor-core kernels), FFMA/DFMA (CUDA-core kernels). No timin
 
 Usage (``cuobjdump``/``nvdisasm`` from PATH or ``--cuobjdump``/``--nvdisasm``)::
 
-    python bench/flex_pred_sass_proxy.py
+    python bench/flex_pred_sass_proxy.py [--mask document]
 """
 
 from __future__ import annotations
@@ -30,10 +30,12 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
+import numpy as np  # noqa: E402
 from _nvrtc import find_nvrtc  # noqa: E402
 from bwd_sass_proxy import cubin, sass_counts  # noqa: E402
 
 from arrayattn.attention.cuda import _loader, flex_pred  # noqa: E402
+from arrayattn.flex import document_mask  # noqa: E402
 
 
 def _fma(sass: str, mangled: str) -> int:
@@ -44,6 +46,12 @@ def _fma(sass: str, mangled: str) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--mask",
+        default="sample",
+        choices=["sample", "document"],
+        help="the predicate: flex_pred.sample_prelude, or a causal document mask's",
+    )
     ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm") or "nvdisasm")
     a = ap.parse_args()
@@ -53,7 +61,12 @@ def main() -> int:
         return 2
     real_source = _loader.kernel_source
     rows = []
-    for path, prelude in (("bits", ""), ("pred", flex_pred.sample_prelude())):
+    pred = flex_pred.sample_prelude()
+    if a.mask == "document":
+        doc = flex_pred.generate(document_mask(np.zeros(8, np.int32), causal=True), 1)
+        assert doc is not None
+        pred = doc.source
+    for path, prelude in (("bits", ""), ("pred", pred)):
         # cubin() compiles _loader.kernel_source(source): the prelude goes in front there
         _loader.kernel_source = lambda f, p=prelude: p + real_source(f)  # type: ignore[assignment]
         try:

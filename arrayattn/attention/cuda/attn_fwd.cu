@@ -267,30 +267,39 @@ AA_DEV void aa_flex_mask_tile(float (&s)[MT][NS][4], const int* flex, int cur, i
 
 // The CUDA-core kernel's view of a partial block for the rows of one thread: from the
 // first row `row` at key tile c0 (aa_flex_rows), whether row row + r sees key c0 + dc
-// (query i, key j; aa_flex_rows_ok). Bits path: the words and the bit of c0 in its word
-// (BN = 16 tiles may start mid-word); AA_FLEX_PRED: the predicate at the batch index.
+// (query i, key j; aa_flex_rows_ok); aa_flex_rows_none() on other tiles. Bits path: the
+// words and the bit of c0 in its word (BN = 16 tiles may start mid-word), exactly the
+// state the kernel kept before; AA_FLEX_PRED: the table's batch index for the predicate.
+#ifdef AA_FLEX_PRED
 struct AaFlexRows {
-    const aa_u32* w;
-    int bit, wpr, b;
+    int b;  // -1: not a partial block
 };
+AA_DEV AaFlexRows aa_flex_rows_none() { return AaFlexRows{-1}; }
+AA_DEV bool aa_flex_rows_on(const AaFlexRows& f) { return f.b >= 0; }
 template <int BN>
 AA_DEV AaFlexRows aa_flex_rows(const int* flex, int cur, int r0, int row, int c0) {
-    AaFlexRows f{nullptr, 0, 0, flex[cur + 1]};
-#ifndef AA_FLEX_PRED
-    f.w = aa_flex_words<BN>(flex, cur, r0, row, c0);
-    f.bit = (c0 - flex[cur] * flex[AA_FLEX_KVBLOCK]) & 31;
-    f.wpr = flex[AA_FLEX_WPR];
-#endif
-    return f;
+    return AaFlexRows{flex[cur + 1]};
 }
 AA_DEV bool aa_flex_rows_ok(const int* flex, const AaFlexRows& f, int r, int dc, int i, int j) {
-#ifdef AA_FLEX_PRED
     return aa_flex_pred(flex, f.b, i, j);
-#else
-    const int cb = f.bit + dc;
-    return ((f.w[r * f.wpr + (cb >> 5)] >> (cb & 31)) & 1u) != 0u;
-#endif
 }
+#else
+struct AaFlexRows {
+    const aa_u32* w;  // nullptr: not a partial block
+    int bit, wpr;
+};
+AA_DEV AaFlexRows aa_flex_rows_none() { return AaFlexRows{nullptr, 0, 0}; }
+AA_DEV bool aa_flex_rows_on(const AaFlexRows& f) { return f.w != nullptr; }
+template <int BN>
+AA_DEV AaFlexRows aa_flex_rows(const int* flex, int cur, int r0, int row, int c0) {
+    return AaFlexRows{aa_flex_words<BN>(flex, cur, r0, row, c0),
+                      (c0 - flex[cur] * flex[AA_FLEX_KVBLOCK]) & 31, flex[AA_FLEX_WPR]};
+}
+AA_DEV bool aa_flex_rows_ok(const int* flex, const AaFlexRows& f, int r, int dc, int i, int j) {
+    const int cb = f.bit + dc;
+    return (f.w[r * f.wpr + (cb >> 5)] >> (cb & 31)) & 1u;
+}
+#endif
 
 // ---------------------------------------------------------------------------------------
 // PTX wrappers (sm_80+)
@@ -1250,11 +1259,9 @@ __global__ void __launch_bounds__(AaSimtCfg<T, D>::NT, AaSimtCfg<T, D>::MIN_BLOC
         const bool full = r0 + BM <= sq.q_len &&
                           aa_block_full(r0, r0 + BM, c0, c0 + BN, sq.offset, left, right, sq.kv_len);
         // A partial mask block: this thread's rows of it at key c0 (aa_flex_rows).
-        bool fpart = false;
-        AaFlexRows frows{nullptr, 0, 0, 0};
+        AaFlexRows frows = aa_flex_rows_none();
         if constexpr (FLEX) {
-            fpart = flex[fcur + 1] >= 0;
-            if (fpart) frows = aa_flex_rows<BN>(flex, fcur, r0, r0 + ty * RM, c0);
+            if (flex[fcur + 1] >= 0) frows = aa_flex_rows<BN>(flex, fcur, r0, r0 + ty * RM, c0);
         }
 #pragma unroll
         for (int r = 0; r < RM; ++r) {
@@ -1266,7 +1273,9 @@ __global__ void __launch_bounds__(AaSimtCfg<T, D>::NT, AaSimtCfg<T, D>::MIN_BLOC
                 bool ok =
                     full || (i < sq.q_len && aa_allowed(i, j, sq.offset, left, right, sq.kv_len));
                 if constexpr (FLEX) {
-                    if (fpart) ok = ok && aa_flex_rows_ok(flex, frows, r, tx + 16 * c, i, j);
+                    if (aa_flex_rows_on(frows)) {
+                        ok = ok && aa_flex_rows_ok(flex, frows, r, tx + 16 * c, i, j);
+                    }
                 }
                 T x = aa_neg_inf<T>();
                 if (ok) {
