@@ -551,3 +551,34 @@ def test_torch_cuda_tensors_through_dlpack(dtype_name, L, S) -> None:
     for got, want in zip((out, dq, dk, dv), (ref, *ref_pull(d_out.double())[:3]), strict=True):
         err = float((got.double() - want).norm() / want.norm())
         assert err <= 2 * tol, err
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("L,S", [(300, 517), (1, 2000)])  # prefill and decode kernels
+def test_jax_gpu_arrays_through_dlpack(dtype_name, L, S) -> None:
+    """JAX GPU arrays reach the kernels through DLPack when ``implementation="fused"`` is
+    named (bfloat16 as its storage): forward and backward against float64, results JAX
+    arrays of the caller's dtype on the caller's device."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX has no GPU here")
+    rng = np.random.default_rng(L)
+    dt = getattr(jnp, dtype_name)
+    host = [rng.standard_normal(s).astype(np.float32)
+            for s in ((2, 8, L, 128), (2, 2, S, 128), (2, 2, S, 128), (2, 8, L, 128))]  # fmt: skip
+    q, k, v, d_out = (jnp.asarray(x, dtype=dt) for x in host)
+    kw = dict(is_causal=True, causal_align="bottom_right", enable_gqa=True)
+    out, pullback = aa.vjp(aa.scaled_dot_product_attention, q, k, v, implementation="fused",
+                           **kw)  # fmt: skip
+    dq, dk, dv = pullback(d_out)[:3]
+    for got, like in ((out, q), (dq, q), (dk, k), (dv, v)):
+        assert isinstance(got, jax.Array) and got.dtype == dt
+        assert got.devices() == like.devices() and got.shape == like.shape
+    f64 = [np.asarray(x).astype(np.float64) for x in (q, k, v, d_out)]
+    ref, ref_pull = aa.vjp(aa.scaled_dot_product_attention, *f64[:3], **kw)
+    tol = {"bfloat16": 2e-2, "float16": 3e-3, "float32": 1e-5}[dtype_name]
+    for got, want in zip((out, dq, dk, dv), (ref, *ref_pull(f64[3])[:3]), strict=True):
+        g = np.asarray(got).astype(np.float64)
+        err = float(np.linalg.norm(g - want) / np.linalg.norm(want))
+        assert err <= 2 * tol, err
