@@ -18,6 +18,7 @@
 #   ab_fwd, ab_bwd, ab_decode(_kernels): the v1 and v2 kernel variants one after the other
 #   (ab_bwd: backward v2 and v4, or AB_VARIANTS; ab_fwd_f32: float32 forward v2 (CUDA
 #   cores) and v3 (TF32x3));
+#   bench_cudnn: the kernels against PyTorch's cuDNN backend;
 #   flex_bench: block masks vs PyTorch flex_attention; f32_accuracy: float32 forward v2/v3
 #   against float64; SANITIZE_ENV: switches for the
 #   sanitizers only;
@@ -235,6 +236,11 @@ stage fwd_mt_ab 60 bash -c 'for mt in 1 2; do ARRAYATTN_FWD_TC_MT=$mt "$0" bench
 stage tiny_gpt 60 "$py" examples/tiny_gpt.py --xp cupy --steps 150 --new-tokens 20
 stage bench_wide 120 "$py" bench/gpu_bench.py --dtypes float16 --head-dims 64,128 \
   --lengths "${WIDE_LENGTHS:-1024,2048,8192,16384}" --backward --no-composed --no-append --reps 15 \
+  --out "$out/bench.md"
+# bench_cudnn: the same kernels against PyTorch's cuDNN attention (the other backend
+# PyTorch offers for 16-bit on Hopper), forward and backward
+stage bench_cudnn 60 "$py" bench/gpu_bench.py --dtypes float16 --head-dims 64,128 \
+  --lengths 2048,8192 --backward --torch-backend cudnn --no-composed --no-append --reps 9 \
   --out "$out/bench.md"
 stage bench_fp32 60 "$py" bench/gpu_bench.py --dtypes float32,float64 --head-dims 128 \
   --lengths 2048 --backward --no-composed --no-append --reps 9 --out "$out/bench.md"
