@@ -544,6 +544,9 @@ def test_torch_cuda_tensors_through_dlpack(dtype_name, L, S) -> None:
     dq, dk, dv = pullback(d_out)[:3]
     assert out.dtype == dq.dtype == dt and out.device == q.device
     assert all(torch.equal(x, b) for x, b in zip((q, k, v), before, strict=True))
+    # "auto" takes the same route (the kernels' bits), for tensors not recording gradients
+    auto = aa.scaled_dot_product_attention(q, k, v, **kw)
+    assert torch.equal(auto, out)
     f64 = [x.double() for x in (q, k, v)]
     ref, ref_pull = aa.vjp(aa.scaled_dot_product_attention, *f64, implementation="composed",
                            **kw)  # fmt: skip
@@ -575,6 +578,9 @@ def test_jax_gpu_arrays_through_dlpack(dtype_name, L, S) -> None:
     for got, like in ((out, q), (dq, q), (dk, k), (dv, v)):
         assert isinstance(got, jax.Array) and got.dtype == dt
         assert got.devices() == like.devices() and got.shape == like.shape
+    # "auto" takes the same route (the kernels' bits)
+    assert np.array_equal(np.asarray(aa.scaled_dot_product_attention(q, k, v, **kw)),
+                          np.asarray(out))  # fmt: skip
     f64 = [np.asarray(x).astype(np.float64) for x in (q, k, v, d_out)]
     ref, ref_pull = aa.vjp(aa.scaled_dot_product_attention, *f64[:3], **kw)
     tol = {"bfloat16": 2e-2, "float16": 3e-3, "float32": 1e-5}[dtype_name]
