@@ -17,7 +17,8 @@
 #   (also cupy_all: every ops/nn test on CuPy; fwd_mt_ab: forward MT=1 vs MT=2 tiles;
 #   ab_fwd, ab_bwd, ab_decode(_kernels): the v1 and v2 kernel variants one after the other
 #   (ab_bwd: backward v2 and v4, or AB_VARIANTS; ab_fwd_f32: float32 forward v2 (CUDA
-#   cores) and v3 (TF32x3));
+#   cores) and v3 (TF32x3); ab_fwd96: fp16 D = 96 forward on v1's tiles and on
+#   aa_fwd_tc2's, ARRAYATTN_FWD_TC2_D96=0/1);
 #   flex_bench: block masks vs PyTorch flex_attention; f32_accuracy: float32 forward v2/v3
 #   against float64; SANITIZE_ENV: switches for the
 #   sanitizers only;
@@ -200,6 +201,12 @@ export -f ab
 ab_bwd() { AB_VARIANTS="${AB_VARIANTS:-v2 v4}" ab "$@"; }
 export -f ab_bwd
 stage ab_fwd 80 ab ARRAYATTN_FWD_VARIANT --dtypes float16 --head-dims 64,128 \
+  --lengths 2048,8192 --reps 15 --out "$out/bench.md"
+# fp16 D = 96: v1's aa_fwd_tc (32-key tiles, ARRAYATTN_FWD_TC2_D96=0, today's default)
+# against aa_fwd_tc2 (64-key tiles, =1), both under the default variant v3, and PyTorch
+ab_fwd96() { AB_VARIANTS="0 1" ab "$@"; }
+export -f ab_fwd96
+stage ab_fwd96 70 ab_fwd96 ARRAYATTN_FWD_TC2_D96 --dtypes float16 --head-dims 96 \
   --lengths 2048,8192 --reps 15 --out "$out/bench.md"
 # float32: v2 (aa_fwd_simt, CUDA cores) against v3 (aa_fwd_tf32, three TF32 products)
 ab_fwd_f32() { AB_VARIANTS="v2 v3" ab "$@"; }
