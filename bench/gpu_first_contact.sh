@@ -17,7 +17,9 @@
 #   (also cupy_all: every ops/nn test on CuPy; fwd_mt_ab: forward MT=1 vs MT=2 tiles;
 #   ab_fwd, ab_bwd, ab_decode(_kernels): the v1 and v2 kernel variants one after the other
 #   (ab_bwd: backward v2 and v4, or AB_VARIANTS; ab_fwd_f32: float32 forward v2 (CUDA
-#   cores) and v3 (TF32x3));
+#   cores) and v3 (TF32x3); ab_fwd96: fp16 D = 96 forward on v1's tiles and on
+#   aa_fwd_tc2's, ARRAYATTN_FWD_TC2_D96=0/1; ab_bwd256: fp16 D = 256 backward on CUDA
+#   cores and on tensor cores, ARRAYATTN_BWD_D256_TC=0/1/32);
 #   bench_cudnn: the kernels against PyTorch's cuDNN backend;
 #   flex_bench: block masks vs PyTorch flex_attention; f32_accuracy: float32 forward v2/v3
 #   against float64; SANITIZE_ENV: switches for the
@@ -202,6 +204,12 @@ ab_bwd() { AB_VARIANTS="${AB_VARIANTS:-v2 v4}" ab "$@"; }
 export -f ab_bwd
 stage ab_fwd 80 ab ARRAYATTN_FWD_VARIANT --dtypes float16 --head-dims 64,128 \
   --lengths 2048,8192 --reps 15 --out "$out/bench.md"
+# fp16 D = 96: v1's aa_fwd_tc (32-key tiles, ARRAYATTN_FWD_TC2_D96=0, today's default)
+# against aa_fwd_tc2 (64-key tiles, =1), both under the default variant v3, and PyTorch
+ab_fwd96() { AB_VARIANTS="0 1" ab "$@"; }
+export -f ab_fwd96
+stage ab_fwd96 70 ab_fwd96 ARRAYATTN_FWD_TC2_D96 --dtypes float16 --head-dims 96 \
+  --lengths 2048,8192 --reps 15 --out "$out/bench.md"
 # float32: v2 (aa_fwd_simt, CUDA cores) against v3 (aa_fwd_tf32, three TF32 products)
 ab_fwd_f32() { AB_VARIANTS="v2 v3" ab "$@"; }
 export -f ab_fwd_f32
@@ -211,6 +219,13 @@ stage f32_accuracy 60 "$py" bench/gpu_f32_accuracy.py --out "$out/bench.md"
 # backward v4 (aa_bwd_dkdv_mma4) at head dims 64 and 128; v3 (AB_VARIANTS) has 64 only
 stage ab_bwd 120 ab_bwd ARRAYATTN_BWD_VARIANT --dtypes float16 --head-dims 64,128 --lengths 4096 \
   --backward --reps 15 --out "$out/bench.md"
+# fp16 D = 256 forward + backward: the CUDA-core backward (ARRAYATTN_BWD_D256_TC=0, today's
+# default) against v4's aa_bwd_dkdv_mma4 on tensor cores with 64-row (=1) and 32-row (=32)
+# query steps, and PyTorch; AB_VARIANTS="0 1" for old vs new only
+ab_bwd256() { AB_VARIANTS="${AB_VARIANTS:-0 1 32}" ab "$@"; }
+export -f ab_bwd256
+stage ab_bwd256 110 ab_bwd256 ARRAYATTN_BWD_D256_TC --dtypes float16 --head-dims 256 \
+  --lengths 2048 --backward --reps 10 --out "$out/bench.md"
 # flex_bench: block masks in the kernels (backward kernels opt-in on) against PyTorch's
 # compiled flex_attention on the same mask_mod (issue 32)
 stage flex_bench 120 "$py" bench/gpu_flex_bench.py --out "$out/bench.md"

@@ -245,6 +245,35 @@ def test_forward_variant_runs_its_kernel(monkeypatch, fwd_variant, causal) -> No
     assert any(n.startswith(want) for n in names), names
 
 
+@pytest.mark.parametrize(
+    "E,opts",
+    [
+        (96, {"is_causal": False}),
+        (96, {"is_causal": True}),
+        (96, {"is_causal": True, "causal_align": "bottom_right", "q_lens": [700, 129],
+              "kv_lens": [1000, 0]}),
+        (96, {"window": (200, 30)}),
+        (80, {"is_causal": True}),  # padded to 96
+    ],
+    ids=["noncausal", "causal", "causal_br_lengths", "window", "e80_causal"],
+)  # fmt: skip
+def test_fwd_tc2_d96_switch_runs_its_kernel(monkeypatch, fwd_variant, E, opts) -> None:
+    """ARRAYATTN_FWD_TC2_D96=1: float16 D = 96 runs aa_fwd_tc2 (64-key tiles) under v2 and
+    aa_fwd_tc under v1, float16-accurate against float64 (several key tiles, GQA, causal
+    block skipping, ragged tails, lengths with an empty sequence, windows)."""
+    from arrayattn.attention.cuda import _loader
+
+    monkeypatch.setenv("ARRAYATTN_FWD_TC2_D96", "1")
+    names: list[str] = []
+    real = _loader.get_kernel
+    monkeypatch.setattr(
+        _loader, "get_kernel", lambda f, n, smem=0: names.append(n) or real(f, n, smem)
+    )
+    _run_case(np.float16, 2, 4, 2, 1000, 1000, E, seed_data=E, compare_torch=True, **opts)
+    want = "aa_fwd_tc2<0, 96," if fwd_variant == "v2" else "aa_fwd_tc<0, 96,"
+    assert any(n.startswith(want) for n in names), names
+
+
 @pytest.mark.parametrize("dtype", [np.float32])
 @pytest.mark.parametrize("E", [64, 128])
 def test_float32_variant_runs_its_kernel(monkeypatch, fwd_variant, dtype, E) -> None:

@@ -42,7 +42,12 @@ padded head dims 64 and 128 (float16/bfloat16, ``E``/``Ev`` multiples of 8), eve
 of v2 but block masks (``flex_plan`` gives v2's), with v2's deterministic dQ kernel; its
 dK/dV sums run in v2's order (deterministic gradients are v2's bits); elsewhere ``v4`` runs
 v2's plan (or v1's), as it does on a device whose blocks cannot have its 173-178 KB of
-shared memory (pre-Hopper parts). See ``bench/BACKWARD_KERNEL_NOTES.md``.
+shared memory (pre-Hopper parts). Head dim 256 in float16/bfloat16 runs the CUDA-core
+kernels unless ``ARRAYATTN_BWD_D256_TC`` is ``1``/``64`` or ``32`` (opt-in until measured
+on a GPU, :data:`D256_TC_ENV`): then, under ``v4``, ``aa_bwd_dkdv_mma4`` at head dim 256
+(64-key blocks, 64- or 32-row query steps) and v2's deterministic dQ kernel run it on
+tensor cores (``E``/``Ev`` multiples of 8; block masks stay on the CUDA cores). See
+``bench/BACKWARD_KERNEL_NOTES.md``.
 
 **What runs in the kernels** (:func:`declines` gives the reason for anything else): CuPy
 arrays of float16 and bfloat16 (tensor cores, ``mma.sync`` m16n8k16, head dims up to 128;
@@ -120,6 +125,8 @@ __all__ = [
     "flex_declines",
     "flex_kernels_enabled",
     "FLEX_ENV",
+    "D256_TC_ENV",
+    "d256_tc_rows",
 ]
 
 SOURCE = "attn_bwd.cu"
@@ -159,6 +166,40 @@ _V4_TILES = {64: (128, 128, 4, 32), 128: (64, 128, 4, 16)}
 """v4's ``aa_bwd_dkdv_mma4`` tiles per head dim: (query rows per step BM, keys per block BN,
 warps along the keys of S^T WK, register sub-step of each warp's queries TQS); the largest
 that compile without spills on sm_90 (D = 64: 248 registers, D = 128: 255)."""
+
+_V4_D256_TILES = {64: (64, 64, 4, 16), 32: (32, 64, 4, 16)}
+"""v4's ``aa_bwd_dkdv_mma4`` tiles at padded head dim 256 (16-bit, opt-in: :data:`D256_TC_ENV`),
+keyed by the query rows per step BM: (BM, BN, WK, TQS) as :data:`_V4_TILES`. 64 keys per
+block (each warp's 32-key x 64-dim slices of dK and dV: 128 accumulator registers, as v4 at
+D = 128). sm_90: BM = 64 255 registers and 222208 bytes of shared memory, BM = 32 236 and
+145920; no spill, one block (8 warps) per SM either way."""
+_D256_DQ_TILES = (4, 32)
+"""v2's deterministic ``aa_bwd_dq_mma2`` at head dim 256: (warps, keys per step); 64 query
+rows per block, 242 registers on sm_90, no spill."""
+
+D256_TC_ENV = "ARRAYATTN_BWD_D256_TC"
+"""Tensor cores for the float16/bfloat16 backward at padded head dim 256 (``E``, ``Ev`` in
+(128, 256], multiples of 8) under variant ``v4``: ``1`` or ``64`` (64-row query steps) or
+``32`` (32-row steps) run ``aa_bwd_dkdv_mma4`` there (and v2's ``aa_bwd_dq_mma2`` in
+deterministic mode); unset, empty or ``0`` keep the CUDA-core kernels, the default until a
+GPU measurement says otherwise. Read at each call."""
+
+
+def d256_tc_rows() -> int | None:
+    """The query rows per step :data:`D256_TC_ENV` asks for at head dim 256 (64 or 32), or
+    ``None`` (off: the CUDA-core kernels); ``ValueError`` for any other value.
+
+    Examples:
+        >>> d256_tc_rows() in (None, 32, 64)
+        True
+    """
+    raw = os.environ.get(D256_TC_ENV, "").strip()
+    if raw in ("", "0"):
+        return None
+    if raw in ("1", "64", "32"):
+        return 32 if raw == "32" else 64
+    raise ValueError(f"{D256_TC_ENV} must be 0, 1, 64 or 32, got {raw!r}")
+
 
 _DETERMINISTIC: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "arrayattn_deterministic",
@@ -331,6 +372,37 @@ def _plan_v4(kind: str, d: int) -> BackwardPlan:
     )
 
 
+def _plan_v4_d256(kind: str, bm: int) -> BackwardPlan:
+    """The tensor-core plan at padded head dim 256 (:data:`D256_TC_ENV`): v4's
+    ``aa_bwd_dkdv_mma4`` with BM-row query steps over 64-key blocks (:data:`_V4_D256_TILES`)
+    and v2's deterministic ``aa_bwd_dq_mma2`` (:data:`_D256_DQ_TILES`)."""
+    t, _ = _KIND_TYPES[kind]
+    d = 256
+    bm, bn, wk, tqs = _V4_D256_TILES[bm]
+    qnw, qbn = _D256_DQ_TILES
+    pitch, qbm = d + 8, 16 * qnw
+    return BackwardPlan(
+        kind=kind,
+        head_dim=d,
+        tensor_cores=True,
+        preprocess=f"aa_bwd_preprocess<{t}, float>",
+        dkdv=f"aa_bwd_dkdv_mma4<{t}, {d}, {bm}, {bn}, {wk}, {tqs}>",
+        dkdv_threads=256,
+        dkdv_block_n=bn,
+        dkdv_block_m=bm,
+        # K, V; two stages of Q, dO; P^T, dS^T; two stages of lse2, delta (AaBwdMma4Smem)
+        dkdv_smem=(2 * bn * pitch + 4 * bm * pitch + 2 * bn * (bm + 8)) * 2 + 4 * bm * 4,
+        dq=f"aa_bwd_dq_mma2<{t}, {d}, {qnw}, {qbn}>",
+        dq_threads=32 * qnw,
+        dq_block_m=qbm,
+        dq_block_n=qbn,
+        # Q, dO; two stages of K, V; lse2, delta (AaBwdDqMma2Smem)
+        dq_smem=(2 * qbm * pitch + 4 * qbn * pitch) * 2 + 2 * qbm * 4,
+        convert=f"aa_bwd_convert<{t}, float>",
+        variant="v4",
+    )
+
+
 def backward_plan(kind: str, e: int, ev: int, variant: str | None = None) -> BackwardPlan | None:
     """The backward kernels for dtype ``kind`` and head dims ``e`` (query/key) and ``ev``
     (value), or ``None`` when no variant holds them (both above 256). ``variant``
@@ -374,6 +446,12 @@ def backward_plan(kind: str, e: int, ev: int, variant: str | None = None) -> Bac
             return _plan_v4(kind, d)
         if variant in ("v2", "v3", "v4") and d in _V2_HEAD_DIMS and aligned:
             return _plan_v2(kind, d)
+        # Head dim 256 on tensor cores: opt-in under v4 (ARRAYATTN_BWD_D256_TC), since
+        # not measured on a GPU yet; otherwise the CUDA-core kernels below.
+        if variant == "v4" and d is None and need <= 256 and aligned:
+            rows = d256_tc_rows()
+            if rows is not None:
+                return _plan_v4_d256(kind, rows)
         if d is not None:
             # (warps, query rows per step): the largest tiles that compile without
             # register spills on sm_90 (D=96 spills 8 bytes; .ci/compile_kernels.py).
@@ -478,6 +556,8 @@ def _all_plans() -> list[BackwardPlan]:
             plans.append(_plan_v3(kind, d))
         for d in _V4_HEAD_DIMS:
             plans.append(_plan_v4(kind, d))
+        for bm in _V4_D256_TILES:  # head dim 256 (opt-in, ARRAYATTN_BWD_D256_TC)
+            plans.append(_plan_v4_d256(kind, bm))
     # block masks: the FLEX instantiations of the CUDA-core and v2 kernels
     for kind in _KIND_TYPES:
         for d in _SIMT_HEAD_DIMS:
@@ -516,18 +596,27 @@ def _variant_names() -> dict[str, list[str]]:
 COMPILE_VARIANTS: dict[str, list[str]] = _variant_names()
 """Every backward instantiation, for ``.ci/compile_kernels.py`` (and the CPU emulator)."""
 
-HOT_VARIANTS: list[str] = list(dict.fromkeys(
-    name
-    for variant in VARIANTS
-    for kind in ("float16", "bfloat16")
-    for d in (64, 128)
-    for name in (
-        backward_plan(kind, d, d, variant).dkdv,  # type: ignore[union-attr]
-        backward_plan(kind, d, d, variant).dq,  # type: ignore[union-attr]
+HOT_VARIANTS: list[str] = list(
+    dict.fromkeys(
+        name
+        for variant in VARIANTS
+        for kind in ("float16", "bfloat16")
+        for d in (64, 128)
+        for name in (
+            backward_plan(kind, d, d, variant).dkdv,  # type: ignore[union-attr]
+            backward_plan(kind, d, d, variant).dq,  # type: ignore[union-attr]
+        )
     )
-))
+) + list(
+    dict.fromkeys(
+        name
+        for kind in ("float16", "bfloat16")
+        for bm in _V4_D256_TILES
+        for name in (_plan_v4_d256(kind, bm).dkdv, _plan_v4_d256(kind, bm).dq)
+    )
+)
 """The variants the compile check fails on when they spill: float16/bfloat16 at D = 64, 128,
-of every variant."""
+of every variant, and the opt-in tensor-core kernels at D = 256."""
 
 
 # -- the block schedule, mirrored from attn_bwd.cu for the host and the CPU tests -----------------
@@ -726,9 +815,7 @@ def flex_declines(spec: AttentionSpec) -> str | None:
     """Why the backward kernels do not run this ``arrayattn.flex`` call, or ``None`` (see
     the module docstring, "Block masks")."""
     if not flex_kernels_enabled():
-        return (
-            f"{FLEX_ENV}=0 sends block-mask backwards to the array-API backward"
-        )
+        return f"{FLEX_ENV}=0 sends block-mask backwards to the array-API backward"
     if spec.score_mod is not None:
         return "score_mod is not in the backward kernels (the array-API backward runs it)"
     if spec.block_mask is None:
