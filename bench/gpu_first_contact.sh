@@ -18,7 +18,9 @@
 #   ab_fwd, ab_bwd, ab_decode(_kernels): the v1 and v2 kernel variants one after the other
 #   (ab_bwd: backward v2 and v4, or AB_VARIANTS; ab_fwd_f32: float32 forward v2 (CUDA
 #   cores) and v3 (TF32x3));
-#   flex_bench: block masks vs PyTorch flex_attention; f32_accuracy: float32 forward v2/v3
+#   flex_bench: block masks vs PyTorch flex_attention; ab_flex: the same with the block-mask
+#   backward under ARRAYATTN_BWD_VARIANT=v2 and v4 (one fwd+bwd row each, AB_FLEX_VARIANTS),
+#   beside PyTorch's compiled flex_attention in one run; f32_accuracy: float32 forward v2/v3
 #   against float64; SANITIZE_ENV: switches for the
 #   sanitizers only;
 #   host: where a small call's host time goes; RACE_DTYPES: racecheck's dtypes;
@@ -213,6 +215,10 @@ stage ab_bwd 120 ab_bwd ARRAYATTN_BWD_VARIANT --dtypes float16 --head-dims 64,12
 # flex_bench: block masks in the kernels (backward kernels opt-in on) against PyTorch's
 # compiled flex_attention on the same mask_mod (issue 32)
 stage flex_bench 120 "$py" bench/gpu_flex_bench.py --out "$out/bench.md"
+# ab_flex: the block-mask backward's dK/dV kernel, v2's FLEX (aa_bwd_dkdv_mma2) against v4's
+# (aa_bwd_dkdv_mma4<..., true>), fwd+bwd rows in the same table as PyTorch's (issue 32)
+stage ab_flex 150 "$py" bench/gpu_flex_bench.py --bwd-variants "${AB_FLEX_VARIANTS:-v2,v4}" \
+  --out "$out/bench.md"
 stage ab_decode 60 ab ARRAYATTN_DECODE_VARIANT --decode 4096,16384,65536,131072 --reps 30 \
   --out "$out/bench.md"
 stage ab_decode_kernels 40 "$py" bench/gpu_decode_kernels.py --out "$out/bench.md"
