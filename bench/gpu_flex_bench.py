@@ -200,9 +200,9 @@ def _bwd_variants(spec: str) -> list[str | None]:
 def _bwd_label(variant: str | None, d: int) -> str:
     """The row's backward: the variant and the dK/dV kernel its float16 block-mask plan
     runs at head dim ``d``."""
-    from arrayattn.attention.cuda.backward import bwd_variant, flex_plan
+    from arrayattn.attention.cuda.backward import flex_bwd_variant, flex_plan
 
-    name = variant or bwd_variant()
+    name = variant or flex_bwd_variant()
     plan = flex_plan("float16", d, d, name)
     kernel = plan.dkdv.split("<")[0] if plan is not None else "array-API backward"
     return f"backward {name}: {kernel}"

@@ -267,6 +267,20 @@ def test_flex_plan_and_variants() -> None:
     assert len(v4_flex) == 4 and set(v4_flex) <= set(kb.HOT_VARIANTS)  # 2 dtypes x D 64/128
 
 
+def test_flex_default_variant_is_v2_until_measured(monkeypatch) -> None:
+    """ARRAYATTN_BWD_VARIANT unset: block masks keep v2's FLEX kernels (v4's FLEX kernel is
+    not the default before a GPU measurement), although v4 is the unmasked default; set,
+    it picks the block-mask variant (the A/B)."""
+    monkeypatch.delenv("ARRAYATTN_BWD_VARIANT", raising=False)
+    assert kb.FLEX_DEFAULT_VARIANT == "v2" and kb.flex_bwd_variant() == "v2"
+    assert kb.backward_plan("float16", 128, 128).variant == "v4"
+    assert flex_plan("float16", 128, 128).dkdv.startswith("aa_bwd_dkdv_mma2<")
+    monkeypatch.setenv("ARRAYATTN_BWD_VARIANT", "v4")
+    assert flex_plan("float16", 128, 128).dkdv.startswith("aa_bwd_dkdv_mma4<")
+    monkeypatch.setenv("ARRAYATTN_BWD_VARIANT", "v2")
+    assert flex_plan("float16", 128, 128).dkdv.startswith("aa_bwd_dkdv_mma2<")
+
+
 def test_flex_plan_for_falls_back_to_v2_tiles() -> None:
     """v4's 128-row query steps (D = 64) need Q_BLOCK % 128 == 0: a 64-row block mask runs
     v2's FLEX kernels under v4 (not the array-API backward); ARRAYATTN_BWD_VARIANT=v2's A/B

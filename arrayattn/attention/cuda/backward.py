@@ -41,7 +41,8 @@ dS^T through shared memory, dK/dV by 32-key warp slices, dQ by 32-row warp slice
 padded head dims 64 and 128 (float16/bfloat16, ``E``/``Ev`` multiples of 8), every option
 of v2, block masks included (its ``FLEX`` instantiation, see below), with v2's
 deterministic dQ kernel; its dK/dV sums run in v2's order (deterministic gradients are
-v2's bits); elsewhere ``v4`` runs
+v2's bits; block masks run it only under an explicit ``ARRAYATTN_BWD_VARIANT=v4``
+until it has been measured on a GPU, see below); elsewhere ``v4`` runs
 v2's plan (or v1's), as it does on a device whose blocks cannot have its 173-178 KB of
 shared memory (pre-Hopper parts). See ``bench/BACKWARD_KERNEL_NOTES.md``.
 
@@ -71,8 +72,10 @@ and 128; its partial blocks' bits a 32-key word per row through ``aa_bflex_word`
 blocks on its plain path), v2's kernels and the CUDA-core kernels (float32/float64, and
 16-bit at head dim 256) have them, deterministic mode included (v4 beside v2's FLEX dQ
 kernel: v2 FLEX's bits); v3 runs v2's, v1's tensor-core kernels decline (the array-API
-backward runs those calls). ``ARRAYATTN_BWD_VARIANT=v2`` runs v2's FLEX kernels (the A/B
-against v4). No score_mod (declined), and each kernel tile must lie inside one mask block
+backward runs those calls). Which variant runs block masks: ``ARRAYATTN_BWD_VARIANT`` when
+set (``=v2`` against ``=v4`` is the A/B), else :data:`FLEX_DEFAULT_VARIANT` (``v2``: v4's
+FLEX kernel was prepared on the CPU and becomes the default only after a GPU
+measurement). No score_mod (declined), and each kernel tile must lie inside one mask block
 (``flex_table.backward_tiles_fit``); v4's query steps (128 rows at head dim 64) need a
 larger ``Q_BLOCK`` than v2's (64), so a block mask that v4's tiles do not fit but v2's do
 runs v2's FLEX kernels (:func:`flex_plan_for`).
@@ -124,6 +127,8 @@ __all__ = [
     "bwd_variant",
     "flex_plan",
     "flex_plan_for",
+    "flex_bwd_variant",
+    "FLEX_DEFAULT_VARIANT",
     "flex_declines",
     "flex_kernels_enabled",
     "FLEX_ENV",
@@ -214,20 +219,34 @@ def deterministic(flag: bool = True) -> Iterator[None]:
 
 
 # -- kernel variants and launch shapes ----------------------------------------------------------
-def bwd_variant() -> str:
-    """The backward kernel variant ``ARRAYATTN_BWD_VARIANT`` names (:data:`DEFAULT_VARIANT`
-    when unset or empty), read at each call so a benchmark can switch it between runs.
+def bwd_variant(default: str = DEFAULT_VARIANT) -> str:
+    """The backward kernel variant ``ARRAYATTN_BWD_VARIANT`` names (``default``,
+    :data:`DEFAULT_VARIANT` unless given, when unset or empty), read at each call so a
+    benchmark can switch it between runs.
 
     Raises ``ValueError`` for any other value.
 
     Examples:
-        >>> bwd_variant() in VARIANTS  # "v2" unless the environment names "v1"
+        >>> bwd_variant() in VARIANTS  # "v4" unless the environment names another
         True
     """
-    raw = os.environ.get("ARRAYATTN_BWD_VARIANT", "").strip().lower() or DEFAULT_VARIANT
+    raw = os.environ.get("ARRAYATTN_BWD_VARIANT", "").strip().lower() or default
     if raw not in VARIANTS:
         raise ValueError(f"ARRAYATTN_BWD_VARIANT must be one of {VARIANTS}, got {raw!r}")
     return raw
+
+
+FLEX_DEFAULT_VARIANT = "v2"
+"""The block-mask backward's variant when ``ARRAYATTN_BWD_VARIANT`` is unset: ``v2``'s FLEX
+kernels, which ran on an H100, until v4's FLEX dK/dV kernel (prepared on the CPU,
+2026-11-26) has been measured on a GPU; ``ARRAYATTN_BWD_VARIANT=v4`` selects it (the A/B:
+``=v2`` against ``=v4``, ``bench/gpu_first_contact.sh``'s ``ab_flex`` stage)."""
+
+
+def flex_bwd_variant() -> str:
+    """The variant :func:`flex_plan` runs block masks with when given none:
+    ``ARRAYATTN_BWD_VARIANT``, else :data:`FLEX_DEFAULT_VARIANT` (read at each call)."""
+    return bwd_variant(FLEX_DEFAULT_VARIANT)
 
 
 @dataclass(frozen=True)
@@ -448,7 +467,9 @@ def _flexed(name: str) -> str:
 def flex_plan(kind: str, e: int, ev: int, variant: str | None = None) -> BackwardPlan | None:
     """The block-mask plan: :func:`backward_plan`'s with the dK/dV and dQ kernels' ``FLEX``
     instantiations (v3 gives v2's; v4's dK/dV kernel beside v2's dQ kernel; v1's tensor-core
-    kernels have none: v2's where v2 holds the call, else ``None``).
+    kernels have none: v2's where v2 holds the call, else ``None``). ``variant`` ``None``:
+    :func:`flex_bwd_variant` (``ARRAYATTN_BWD_VARIANT``, else v2's until v4's FLEX kernel
+    has run on a GPU).
 
     Examples:
         >>> flex_plan("float16", 64, 64, variant="v3").dkdv
@@ -463,7 +484,7 @@ def flex_plan(kind: str, e: int, ev: int, variant: str | None = None) -> Backwar
         >>> flex_plan("float16", 96, 96) is None
         True
     """
-    plan = backward_plan(kind, e, ev, variant)
+    plan = backward_plan(kind, e, ev, flex_bwd_variant() if variant is None else variant)
     if plan is None:
         return None
     if plan.variant == "v3" or (plan.tensor_cores and plan.variant == "v1"):
