@@ -21,7 +21,9 @@
 #   aa_fwd_tc2's, ARRAYATTN_FWD_TC2_D96=0/1; ab_bwd256: fp16 D = 256 backward on CUDA
 #   cores and on tensor cores, ARRAYATTN_BWD_D256_TC=0/1/32);
 #   bench_cudnn: the kernels against PyTorch's cuDNN backend;
-#   flex_bench: block masks vs PyTorch flex_attention; f32_accuracy: float32 forward v2/v3
+#   flex_bench: block masks vs PyTorch flex_attention; ab_flex: the same with the block-mask
+#   backward under ARRAYATTN_BWD_VARIANT=v2 and v4 (one fwd+bwd row each, AB_FLEX_VARIANTS),
+#   beside PyTorch's compiled flex_attention in one run; f32_accuracy: float32 forward v2/v3
 #   against float64; SANITIZE_ENV: switches for the
 #   sanitizers only;
 #   host: where a small call's host time goes; RACE_DTYPES: racecheck's dtypes;
@@ -229,6 +231,10 @@ stage ab_bwd256 110 ab_bwd256 ARRAYATTN_BWD_D256_TC --dtypes float16 --head-dims
 # flex_bench: block masks in the kernels (backward kernels opt-in on) against PyTorch's
 # compiled flex_attention on the same mask_mod (issue 32)
 stage flex_bench 120 "$py" bench/gpu_flex_bench.py --out "$out/bench.md"
+# ab_flex: the block-mask backward's dK/dV kernel, v2's FLEX (aa_bwd_dkdv_mma2) against v4's
+# (aa_bwd_dkdv_mma4<..., true>), fwd+bwd rows in the same table as PyTorch's (issue 32)
+stage ab_flex 150 "$py" bench/gpu_flex_bench.py --bwd-variants "${AB_FLEX_VARIANTS:-v2,v4}" \
+  --out "$out/bench.md"
 stage ab_decode 60 ab ARRAYATTN_DECODE_VARIANT --decode 4096,16384,65536,131072 --reps 30 \
   --out "$out/bench.md"
 stage ab_decode_kernels 40 "$py" bench/gpu_decode_kernels.py --out "$out/bench.md"

@@ -163,6 +163,20 @@ AA_BWD_DEV bool aa_bflex_ok(const int* flex, int cur, int i, int j) {
     const aa_u32 w = bits[((long long)pid * qb + i % qb) * wpr + (col >> 5)];
     return ((w >> (col & 31)) & 1u) != 0u;
 }
+// aa_bflex_ok for the 32 keys j0 .. j0 + 31 of query i at once (bit c: key j0 + c), j0 at a
+// 32-key boundary of its block (KV_BLOCK % 32 == 0): all ones for a full block. For kernels
+// whose thread tests several keys of one row (v4: one load per row instead of per element);
+// like aa_bflex_ok, the only reader of a partial block's bits.
+AA_BWD_DEV aa_u32 aa_bflex_word(const int* flex, int cur, int i, int j0) {
+    const int pid = flex[cur + 1];
+    if (pid < 0) return ~0u;
+    const int qb = flex[AA_BF_QB];
+    const int col = j0 % flex[AA_BF_KB];
+    const aa_u32* bits = reinterpret_cast<const aa_u32*>(flex + flex[AA_BF_BITS]);
+    return bits[((long long)pid * qb + i % qb) * flex[AA_BF_WPR] + (col >> 5)];
+}
+// Whether the block of the pair at `cur` is a full one (every pair allowed: no bits to read).
+AA_BWD_DEV bool aa_bflex_full(const int* flex, int cur) { return flex[cur + 1] < 0; }
 // The first (head g >= the given g, query tile) step of a dK/dV block of key block c0 in
 // its group's flattened sequence: the first tile of [begin, hi) listed for head hk * G + g;
 // g = G and hi when no head has one.

@@ -39,8 +39,10 @@ v2's order: deterministic gradients are v2's bits. ``v4`` (``attn_bwd_v4.cu``:
 warps as FlashAttention-2's backward does (S^T/dP^T by (keys x queries) warp tiles, P^T and
 dS^T through shared memory, dK/dV by 32-key warp slices, dQ by 32-row warp slices), at
 padded head dims 64 and 128 (float16/bfloat16, ``E``/``Ev`` multiples of 8), every option
-of v2 but block masks (``flex_plan`` gives v2's), with v2's deterministic dQ kernel; its
-dK/dV sums run in v2's order (deterministic gradients are v2's bits); elsewhere ``v4`` runs
+of v2, block masks included (its ``FLEX`` instantiation, see below), with v2's
+deterministic dQ kernel; its dK/dV sums run in v2's order (deterministic gradients are
+v2's bits; block masks run it only under an explicit ``ARRAYATTN_BWD_VARIANT=v4``
+until it has been measured on a GPU, see below); elsewhere ``v4`` runs
 v2's plan (or v1's), as it does on a device whose blocks cannot have its 173-178 KB of
 shared memory (pre-Hopper parts). Head dim 256 in float16/bfloat16 runs the CUDA-core
 kernels unless ``ARRAYATTN_BWD_D256_TC`` is ``1``/``64`` or ``32`` (opt-in until measured
@@ -70,11 +72,18 @@ instantiations with a last template argument ``true`` (:func:`flex_plan`) read t
 table of ``flex_table.py`` (cached on the ``BlockMask``, shared with the forward): the dQ
 kernel walks per query block the forward's list of non-empty key blocks, the dK/dV kernel
 per key block the transposed list (the non-empty query blocks), and partial blocks' bits
-are ANDed where the dense bool mask is. v2's kernels (float16/bfloat16 at head dims 64 and
-128) and the CUDA-core kernels (float32/float64, and 16-bit at head dim 256) have them,
-deterministic mode included; v3 and v4 run v2's, v1's tensor-core kernels decline (the array-API
-backward runs those calls). No score_mod (declined), and each kernel tile must lie inside
-one mask block (``flex_table.backward_tiles_fit``).
+are ANDed where the dense bool mask is. v4's dK/dV kernel (float16/bfloat16 at head dims 64
+and 128; its partial blocks' bits a 32-key word per row through ``aa_bflex_word``, full
+blocks on its plain path), v2's kernels and the CUDA-core kernels (float32/float64, and
+16-bit at head dim 256) have them, deterministic mode included (v4 beside v2's FLEX dQ
+kernel: v2 FLEX's bits); v3 runs v2's, v1's tensor-core kernels decline (the array-API
+backward runs those calls). Which variant runs block masks: ``ARRAYATTN_BWD_VARIANT`` when
+set (``=v2`` against ``=v4`` is the A/B), else :data:`FLEX_DEFAULT_VARIANT` (``v2``: v4's
+FLEX kernel was prepared on the CPU and becomes the default only after a GPU
+measurement). No score_mod (declined), and each kernel tile must lie inside one mask block
+(``flex_table.backward_tiles_fit``); v4's query steps (128 rows at head dim 64) need a
+larger ``Q_BLOCK`` than v2's (64), so a block mask that v4's tiles do not fit but v2's do
+runs v2's FLEX kernels (:func:`flex_plan_for`).
 """
 
 from __future__ import annotations
@@ -122,6 +131,9 @@ __all__ = [
     "VARIANTS",
     "bwd_variant",
     "flex_plan",
+    "flex_plan_for",
+    "flex_bwd_variant",
+    "FLEX_DEFAULT_VARIANT",
     "flex_declines",
     "flex_kernels_enabled",
     "FLEX_ENV",
@@ -248,20 +260,34 @@ def deterministic(flag: bool = True) -> Iterator[None]:
 
 
 # -- kernel variants and launch shapes ----------------------------------------------------------
-def bwd_variant() -> str:
-    """The backward kernel variant ``ARRAYATTN_BWD_VARIANT`` names (:data:`DEFAULT_VARIANT`
-    when unset or empty), read at each call so a benchmark can switch it between runs.
+def bwd_variant(default: str = DEFAULT_VARIANT) -> str:
+    """The backward kernel variant ``ARRAYATTN_BWD_VARIANT`` names (``default``,
+    :data:`DEFAULT_VARIANT` unless given, when unset or empty), read at each call so a
+    benchmark can switch it between runs.
 
     Raises ``ValueError`` for any other value.
 
     Examples:
-        >>> bwd_variant() in VARIANTS  # "v2" unless the environment names "v1"
+        >>> bwd_variant() in VARIANTS  # "v4" unless the environment names another
         True
     """
-    raw = os.environ.get("ARRAYATTN_BWD_VARIANT", "").strip().lower() or DEFAULT_VARIANT
+    raw = os.environ.get("ARRAYATTN_BWD_VARIANT", "").strip().lower() or default
     if raw not in VARIANTS:
         raise ValueError(f"ARRAYATTN_BWD_VARIANT must be one of {VARIANTS}, got {raw!r}")
     return raw
+
+
+FLEX_DEFAULT_VARIANT = "v2"
+"""The block-mask backward's variant when ``ARRAYATTN_BWD_VARIANT`` is unset: ``v2``'s FLEX
+kernels, which ran on an H100, until v4's FLEX dK/dV kernel (prepared on the CPU,
+2026-11-26) has been measured on a GPU; ``ARRAYATTN_BWD_VARIANT=v4`` selects it (the A/B:
+``=v2`` against ``=v4``, ``bench/gpu_first_contact.sh``'s ``ab_flex`` stage)."""
+
+
+def flex_bwd_variant() -> str:
+    """The variant :func:`flex_plan` runs block masks with when given none:
+    ``ARRAYATTN_BWD_VARIANT``, else :data:`FLEX_DEFAULT_VARIANT` (read at each call)."""
+    return bwd_variant(FLEX_DEFAULT_VARIANT)
 
 
 @dataclass(frozen=True)
@@ -518,25 +544,58 @@ def _flexed(name: str) -> str:
 
 def flex_plan(kind: str, e: int, ev: int, variant: str | None = None) -> BackwardPlan | None:
     """The block-mask plan: :func:`backward_plan`'s with the dK/dV and dQ kernels' ``FLEX``
-    instantiations (v3 and v4 give v2's; v1's tensor-core kernels have none: v2's where v2 holds
-    the call, else ``None``).
+    instantiations (v3 gives v2's; v4's dK/dV kernel beside v2's dQ kernel; v1's tensor-core
+    kernels have none: v2's where v2 holds the call, else ``None``). ``variant`` ``None``:
+    :func:`flex_bwd_variant` (``ARRAYATTN_BWD_VARIANT``, else v2's until v4's FLEX kernel
+    has run on a GPU).
 
     Examples:
         >>> flex_plan("float16", 64, 64, variant="v3").dkdv
         'aa_bwd_dkdv_mma2<AaF16, 64, 8, 64, 64, true>'
+        >>> p = flex_plan("float16", 128, 128, variant="v4")
+        >>> p.dkdv
+        'aa_bwd_dkdv_mma4<AaF16, 128, 64, 128, 4, 16, true>'
+        >>> p.dq
+        'aa_bwd_dq_mma2<AaF16, 128, 4, 32, true>'
         >>> flex_plan("float32", 64, 64).dq
         'aa_bwd_dq_simt<float, float, 64, 64, 32, 256, true>'
         >>> flex_plan("float16", 96, 96) is None
         True
     """
-    plan = backward_plan(kind, e, ev, variant)
+    plan = backward_plan(kind, e, ev, flex_bwd_variant() if variant is None else variant)
     if plan is None:
         return None
-    if plan.variant in ("v3", "v4") or (plan.tensor_cores and plan.variant == "v1"):
+    if plan.variant == "v3" or (plan.tensor_cores and plan.variant == "v1"):
         plan = backward_plan(kind, e, ev, "v2")
         if plan is None or (plan.tensor_cores and plan.variant != "v2"):
             return None
     return dataclasses.replace(plan, dkdv=_flexed(plan.dkdv), dq=_flexed(plan.dq))
+
+
+def _flex_tiles(plan: BackwardPlan) -> tuple[tuple[int, int], ...]:
+    """The (query rows, keys) tiles of ``plan`` that must lie inside one mask block."""
+    return ((plan.dkdv_block_m, plan.dkdv_block_n), (plan.dq_block_m, plan.dq_block_n))
+
+
+def flex_plan_for(
+    kind: str, e: int, ev: int, bm: Any, variant: str | None = None
+) -> tuple[BackwardPlan | None, str | None]:
+    """``(plan, None)``: the :func:`flex_plan` that runs block mask ``bm`` (v4's, or v2's
+    where v4's larger query steps do not fit ``bm``'s blocks but v2's do), else
+    ``(None, why not)``."""
+    plan = flex_plan(kind, e, ev, variant)
+    if plan is None:
+        return None, (
+            f"block masks: no backward kernel reads them at {kind} E={e}, Ev={ev} "
+            "(v4's or v2's at head dims 64/128 with E, Ev multiples of 8, or the CUDA-core "
+            "kernels)"
+        )
+    reason = flex_table.backward_tiles_fit(bm, _flex_tiles(plan))
+    if reason is not None and plan.variant == "v4":
+        v2 = flex_plan(kind, e, ev, "v2")
+        if v2 is not None and flex_table.backward_tiles_fit(bm, _flex_tiles(v2)) is None:
+            return v2, None
+    return (None, f"block mask: {reason}") if reason is not None else (plan, None)
 
 
 def _all_plans() -> list[BackwardPlan]:
@@ -558,12 +617,15 @@ def _all_plans() -> list[BackwardPlan]:
             plans.append(_plan_v4(kind, d))
         for bm in _V4_D256_TILES:  # head dim 256 (opt-in, ARRAYATTN_BWD_D256_TC)
             plans.append(_plan_v4_d256(kind, bm))
-    # block masks: the FLEX instantiations of the CUDA-core and v2 kernels
+    # block masks: the FLEX instantiations of the CUDA-core, v2 and v4 kernels
     for kind in _KIND_TYPES:
         for d in _SIMT_HEAD_DIMS:
             plan = flex_plan(kind, d, d, variant="v2")
             if plan is not None:
                 plans.append(plan)
+    for kind in ("float16", "bfloat16"):
+        for d in _V4_HEAD_DIMS:
+            plans.append(flex_plan(kind, d, d, variant="v4"))  # type: ignore[arg-type]
     return plans
 
 
@@ -605,6 +667,7 @@ HOT_VARIANTS: list[str] = list(
         for name in (
             backward_plan(kind, d, d, variant).dkdv,  # type: ignore[union-attr]
             backward_plan(kind, d, d, variant).dq,  # type: ignore[union-attr]
+            flex_plan(kind, d, d, variant).dkdv,  # type: ignore[union-attr]
         )
     )
 ) + list(
@@ -616,7 +679,8 @@ HOT_VARIANTS: list[str] = list(
     )
 )
 """The variants the compile check fails on when they spill: float16/bfloat16 at D = 64, 128,
-of every variant, and the opt-in tensor-core kernels at D = 256."""
+of every variant, their block-mask (FLEX) dK/dV kernels, and the opt-in tensor-core kernels
+at D = 256."""
 
 
 # -- the block schedule, mirrored from attn_bwd.cu for the host and the CPU tests -----------------
@@ -824,15 +888,7 @@ def flex_declines(spec: AttentionSpec) -> str | None:
         return "a block mask in a block of a larger call (the Dask path's tasks)"
     kind = kernel_kind(spec)
     assert kind is not None
-    plan = flex_plan(kind, spec.E, spec.Ev)
-    if plan is None:
-        return (
-            f"block masks: no backward kernel reads them at {kind} E={spec.E}, Ev={spec.Ev} "
-            "(v2's at head dims 64/128 with E, Ev multiples of 8, or the CUDA-core kernels)"
-        )
-    tiles = ((plan.dkdv_block_m, plan.dkdv_block_n), (plan.dq_block_m, plan.dq_block_n))
-    reason = flex_table.backward_tiles_fit(spec.block_mask, tiles)
-    return None if reason is None else f"block mask: {reason}"
+    return flex_plan_for(kind, spec.E, spec.Ev, spec.block_mask)[1]
 
 
 def _full(
@@ -930,10 +986,11 @@ def backward(
     assert kind is not None  # declines() refuses a dtype without kernels
     plan = backward_plan(kind, spec.E, spec.Ev, bwd_variant())
     if spec.flex:  # declines() checked the block mask, the plan and its tiles
-        plan = flex_plan(kind, spec.E, spec.Ev)
+        plan = flex_plan_for(kind, spec.E, spec.Ev, spec.block_mask)[0]
     assert plan is not None  # declines() refuses head dims no variant holds
     if plan.variant == "v4" and plan.dkdv_smem > _max_smem(device_index(spec)):
-        plan = backward_plan(kind, spec.E, spec.Ev, "v2")  # v4's 173-178 KB: Hopper-sized
+        # v4's 173-178 KB: Hopper-sized. (v2's tiles fit any block mask v4's fit.)
+        plan = (flex_plan if spec.flex else backward_plan)(kind, spec.E, spec.Ev, "v2")
         assert plan is not None
     B, Hq, Hkv, L, S, E, Ev = (spec.batch_size, spec.Hq, spec.Hkv, spec.L, spec.S, spec.E, spec.Ev)
     if B == 0 or Hq == 0 or L == 0 or S == 0 or E == 0 and Ev == 0:
