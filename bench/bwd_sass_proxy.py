@@ -14,6 +14,7 @@ BAR, MUFU, RED and of all instructions per HMMA. No timing: these are proxies.
 Usage (``cuobjdump``/``nvdisasm`` from PATH or ``--cuobjdump``/``--nvdisasm``)::
 
     python bench/bwd_sass_proxy.py --variants v2,v3,v4 --head-dims 64,128
+    python bench/bwd_sass_proxy.py --variants v2,v4 --flex  # the block-mask (FLEX) plans
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ def main() -> int:
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--kind", default="float16")
     ap.add_argument("--loops", action="store_true", help="print each kernel's SASS loops")
+    ap.add_argument("--flex", action="store_true", help="the block-mask plans (flex_plan)")
     ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm") or "nvdisasm")
     a = ap.parse_args()
@@ -130,7 +132,8 @@ def main() -> int:
     rows = []
     for var in a.variants.split(","):
         for d in (int(x) for x in a.head_dims.split(",")):
-            plan = backward.backward_plan(a.kind, d, d, variant=var)
+            pick = backward.flex_plan if a.flex else backward.backward_plan
+            plan = pick(a.kind, d, d, variant=var)
             assert plan is not None
             for name, thr, smem in ((plan.dkdv, plan.dkdv_threads, plan.dkdv_smem),
                                     (plan.dq, plan.dq_threads, plan.dq_smem)):  # fmt: skip

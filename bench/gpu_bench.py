@@ -185,12 +185,8 @@ def bench_case(args, dtype_name: str, D: int, L: int, causal: bool, torch) -> li
 
         def run_torch(i: int):
             q, k, v = tsets[i % 2]
-            if dtype_name in ("float16", "bfloat16"):
-                from torch.nn.attention import SDPBackend, sdpa_kernel
-
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            with _torch_backend(args, dtype_name):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
         try:
             ms_torch = time_torch(run_torch, args.warmup, args.reps)
@@ -265,12 +261,8 @@ def _bench_backward(args, base, sets, causal, fwd, torch) -> list[dict]:
 
         def t_forward(i):
             q, k, v = tsets[i % 2]
-            if base["dtype"] in ("float16", "bfloat16"):
-                from torch.nn.attention import SDPBackend, sdpa_kernel
-
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            with _torch_backend(args, base["dtype"]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
         def t_fwd_bwd(i):
             q, k, v = tsets[i % 2]
@@ -445,6 +437,21 @@ def _env_switches() -> str:
                    if k.startswith("ARRAYATTN_") and v)  # fmt: skip
 
 
+def _torch_backend(args, dtype_name: str):
+    """The peer's SDPA backend: ``--torch-backend`` (flash by default for 16-bit dtypes,
+    cuDNN where asked: PyTorch offers both on Hopper; PyTorch's own choice for the
+    others)."""
+    import contextlib
+
+    if dtype_name not in ("float16", "bfloat16") or args.torch_backend == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    name = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+            "efficient": "EFFICIENT_ATTENTION"}[args.torch_backend]  # fmt: skip
+    return sdpa_kernel(getattr(SDPBackend, name))
+
+
 def _cuda_torch():
     try:
         import torch
@@ -486,6 +493,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--backward", action="store_true", help="also time backward passes")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument(
+        "--torch-backend", default="flash", choices=["flash", "cudnn", "efficient", "default"],
+        help="the peer's SDPA backend for float16/bfloat16 (default: flash)",
+    )  # fmt: skip
     ap.add_argument("--no-composed", action="store_true")
     ap.add_argument("--no-append", action="store_true", help="do not write bench/RESULTS.md")
     ap.add_argument("--out", default=None, help="also write the table to this file")
@@ -573,7 +584,8 @@ def main(argv: list[str] | None = None) -> int:
             versions += f", torch {torch.__version__}"
         header = (
             f"\n## {device_name()} — {stamp} — commit {_commit()}\n\n"
-            f"{versions}; batch x L = {args.tokens} tokens, H = 2048 / D; median over 3 "
+            f"{versions}; peer SDPA backend {args.torch_backend} (16-bit); "
+            f"batch x L = {args.tokens} tokens, H = 2048 / D; median over 3 "
             f"groups of {max(1, args.reps // 3)} back-to-back calls (CUDA events); "
             f"FlashAttention flop counting "
             f"(causal halves; backward 2.5x forward).\n\n"

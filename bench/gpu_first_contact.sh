@@ -17,9 +17,15 @@
 #   (also cupy_all: every ops/nn test on CuPy; fwd_mt_ab: forward MT=1 vs MT=2 tiles;
 #   ab_fwd, ab_bwd, ab_decode(_kernels): the v1 and v2 kernel variants one after the other
 #   (ab_bwd: backward v2 and v4, or AB_VARIANTS; ab_fwd_f32: float32 forward v2 (CUDA
-#   cores) and v3 (TF32x3));
-#   flex_bench: block masks vs PyTorch flex_attention; ab_flex_pred: built-in mask_mods
-#   evaluated in the kernels vs their bits (ARRAYATTN_FLEX_PREDICATE=0/1); f32_accuracy: float32 forward v2/v3
+#   cores) and v3 (TF32x3); ab_fwd96: fp16 D = 96 forward on v1's tiles and on
+#   aa_fwd_tc2's, ARRAYATTN_FWD_TC2_D96=0/1; ab_bwd256: fp16 D = 256 backward on CUDA
+#   cores and on tensor cores, ARRAYATTN_BWD_D256_TC=0/1/32);
+#   bench_cudnn: the kernels against PyTorch's cuDNN backend;
+#   flex_bench: block masks vs PyTorch flex_attention; ab_flex: the same with the block-mask
+#   backward under ARRAYATTN_BWD_VARIANT=v2 and v4 (one fwd+bwd row each, AB_FLEX_VARIANTS),
+#   beside PyTorch's compiled flex_attention in one run; ab_flex_pred: built-in mask_mods
+#   evaluated in the kernels vs their bits (ARRAYATTN_FLEX_PREDICATE=0/1); f32_accuracy:
+#   float32 forward v2/v3
 #   against float64; SANITIZE_ENV: switches for the
 #   sanitizers only;
 #   host: where a small call's host time goes; RACE_DTYPES: racecheck's dtypes;
@@ -202,6 +208,12 @@ ab_bwd() { AB_VARIANTS="${AB_VARIANTS:-v2 v4}" ab "$@"; }
 export -f ab_bwd
 stage ab_fwd 80 ab ARRAYATTN_FWD_VARIANT --dtypes float16 --head-dims 64,128 \
   --lengths 2048,8192 --reps 15 --out "$out/bench.md"
+# fp16 D = 96: v1's aa_fwd_tc (32-key tiles, ARRAYATTN_FWD_TC2_D96=0, today's default)
+# against aa_fwd_tc2 (64-key tiles, =1), both under the default variant v3, and PyTorch
+ab_fwd96() { AB_VARIANTS="0 1" ab "$@"; }
+export -f ab_fwd96
+stage ab_fwd96 70 ab_fwd96 ARRAYATTN_FWD_TC2_D96 --dtypes float16 --head-dims 96 \
+  --lengths 2048,8192 --reps 15 --out "$out/bench.md"
 # float32: v2 (aa_fwd_simt, CUDA cores) against v3 (aa_fwd_tf32, three TF32 products)
 ab_fwd_f32() { AB_VARIANTS="v2 v3" ab "$@"; }
 export -f ab_fwd_f32
@@ -211,9 +223,20 @@ stage f32_accuracy 60 "$py" bench/gpu_f32_accuracy.py --out "$out/bench.md"
 # backward v4 (aa_bwd_dkdv_mma4) at head dims 64 and 128; v3 (AB_VARIANTS) has 64 only
 stage ab_bwd 120 ab_bwd ARRAYATTN_BWD_VARIANT --dtypes float16 --head-dims 64,128 --lengths 4096 \
   --backward --reps 15 --out "$out/bench.md"
+# fp16 D = 256 forward + backward: the CUDA-core backward (ARRAYATTN_BWD_D256_TC=0, today's
+# default) against v4's aa_bwd_dkdv_mma4 on tensor cores with 64-row (=1) and 32-row (=32)
+# query steps, and PyTorch; AB_VARIANTS="0 1" for old vs new only
+ab_bwd256() { AB_VARIANTS="${AB_VARIANTS:-0 1 32}" ab "$@"; }
+export -f ab_bwd256
+stage ab_bwd256 110 ab_bwd256 ARRAYATTN_BWD_D256_TC --dtypes float16 --head-dims 256 \
+  --lengths 2048 --backward --reps 10 --out "$out/bench.md"
 # flex_bench: block masks in the kernels (backward kernels opt-in on) against PyTorch's
 # compiled flex_attention on the same mask_mod (issue 32)
 stage flex_bench 120 "$py" bench/gpu_flex_bench.py --out "$out/bench.md"
+# ab_flex: the block-mask backward's dK/dV kernel, v2's FLEX (aa_bwd_dkdv_mma2) against v4's
+# (aa_bwd_dkdv_mma4<..., true>), fwd+bwd rows in the same table as PyTorch's (issue 32)
+stage ab_flex 150 "$py" bench/gpu_flex_bench.py --bwd-variants "${AB_FLEX_VARIANTS:-v2,v4}" \
+  --out "$out/bench.md"
 # ab_flex_pred: built-in mask_mods evaluated in the kernels (a generated predicate, no bits
 # in the table; the default) against the partial blocks' bits (ARRAYATTN_FLEX_PREDICATE=0),
 # the same packed documents, forward and forward + backward (no PyTorch rows)
@@ -247,6 +270,11 @@ stage fwd_mt_ab 60 bash -c 'for mt in 1 2; do ARRAYATTN_FWD_TC_MT=$mt "$0" bench
 stage tiny_gpt 60 "$py" examples/tiny_gpt.py --xp cupy --steps 150 --new-tokens 20
 stage bench_wide 120 "$py" bench/gpu_bench.py --dtypes float16 --head-dims 64,128 \
   --lengths "${WIDE_LENGTHS:-1024,2048,8192,16384}" --backward --no-composed --no-append --reps 15 \
+  --out "$out/bench.md"
+# bench_cudnn: the same kernels against PyTorch's cuDNN attention (the other backend
+# PyTorch offers for 16-bit on Hopper), forward and backward
+stage bench_cudnn 60 "$py" bench/gpu_bench.py --dtypes float16 --head-dims 64,128 \
+  --lengths 2048,8192 --backward --torch-backend cudnn --no-composed --no-append --reps 9 \
   --out "$out/bench.md"
 stage bench_fp32 60 "$py" bench/gpu_bench.py --dtypes float32,float64 --head-dims 128 \
   --lengths 2048 --backward --no-composed --no-append --reps 9 --out "$out/bench.md"

@@ -7,7 +7,9 @@ of ``--reps`` synchronised calls after warm-up:
 
 - arrayattn with ``block_mask=`` (``create_block_mask(document_mask(ids, causal=True))``):
   the forward, and forward + backward through ``arrayattn.vjp`` with the backward kernels'
-  block-mask instantiations (``ARRAYATTN_FLEX_BWD_KERNELS=1``, set here unless given);
+  block-mask instantiations (``ARRAYATTN_FLEX_BWD_KERNELS=1``, set here unless given),
+  once per backward variant of ``--bwd-variants`` (``ARRAYATTN_BWD_VARIANT`` set for each
+  row, e.g. ``v2,v4``: v2's FLEX dK/dV kernel against v4's, in the same run);
   The kernels read the mask_mod compiled in (a predicate, no bits) unless
   ``ARRAYATTN_FLEX_PREDICATE=0`` (bits): the header line says which, with the table's
   bytes and build time (``bench/gpu_first_contact.sh``'s ``ab_flex_pred`` runs both);
@@ -24,6 +26,7 @@ arrayattn's dense-mask call's output in float32.
 Usage::
 
     python bench/gpu_flex_bench.py --out gpu-run/bench.md
+    python bench/gpu_flex_bench.py --bwd-variants v2,v4 --out gpu-run/bench.md  # A/B
     python bench/gpu_flex_bench.py --xp numpy --length 1024 --heads 2 --no-compile  # CPU smoke
 """
 
@@ -60,7 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="PyTorch flex eager (CPU smoke)")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--out", default=None, help="append the table to this file")
+    ap.add_argument(
+        "--bwd-variants",
+        default="",
+        help="comma-separated ARRAYATTN_BWD_VARIANT values, one fwd+bwd row each "
+        "(default: the environment's, one row)",
+    )
     args = ap.parse_args(argv)
+    bwd_variants = _bwd_variants(args.bwd_variants)
 
     import arrayattn as aa
     from arrayattn import flex
@@ -138,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         return pb(g)
 
     rows.append(("arrayattn block mask, forward", timed(ours_fwd), pairs, err(ours_fwd())))
-    rows.append(("arrayattn block mask, fwd+bwd", timed(ours_fwd_bwd), pairs, ""))
+    for variant in bwd_variants:
+        ms = _with_bwd_variant(variant, lambda: timed(ours_fwd_bwd))
+        rows.append((f"arrayattn block mask, fwd+bwd ({_bwd_label(variant, E)})", ms, pairs, ""))
     rows.append((
         "arrayattn dense bool mask, forward",
         timed(lambda: aa.scaled_dot_product_attention(q, k, v, attn_mask=dense), 3), pairs, "0",
@@ -184,6 +196,44 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "a") as f:
             f.write(text)
     return 0
+
+
+def _bwd_variants(spec: str) -> list[str | None]:
+    """``--bwd-variants``' list (``None``: the environment's variant, one row)."""
+    from arrayattn.attention.cuda.backward import VARIANTS
+
+    names = [v.strip().lower() for v in spec.split(",") if v.strip()]
+    for v in names:
+        if v not in VARIANTS:
+            raise SystemExit(f"--bwd-variants: each must be one of {VARIANTS}, got {v!r}")
+    return list(names) or [None]
+
+
+def _bwd_label(variant: str | None, d: int) -> str:
+    """The row's backward: the variant and the dK/dV kernel its float16 block-mask plan
+    runs at head dim ``d``."""
+    from arrayattn.attention.cuda.backward import flex_bwd_variant, flex_plan
+
+    name = variant or flex_bwd_variant()
+    plan = flex_plan("float16", d, d, name)
+    kernel = plan.dkdv.split("<")[0] if plan is not None else "array-API backward"
+    return f"backward {name}: {kernel}"
+
+
+def _with_bwd_variant(variant: str | None, fn: Callable[[], float]) -> float:
+    """``fn()`` with ``ARRAYATTN_BWD_VARIANT=variant`` (read at each backward call), the
+    environment restored after."""
+    if variant is None:
+        return fn()
+    old = os.environ.get("ARRAYATTN_BWD_VARIANT")
+    os.environ["ARRAYATTN_BWD_VARIANT"] = variant
+    try:
+        return fn()
+    finally:
+        if old is None:
+            del os.environ["ARRAYATTN_BWD_VARIANT"]
+        else:
+            os.environ["ARRAYATTN_BWD_VARIANT"] = old
 
 
 def _host(xp: object, a: object) -> np.ndarray:

@@ -56,6 +56,10 @@ def cases(small: bool) -> Iterator[tuple[str, dict[str, Any]]]:
                                    "causal_align": "bottom_right"}  # fmt: skip
         yield f"{dtype} softcap dropout", {**base, "softcap": 20.0, "dropout_p": 0.25, "seed": 7}
         yield f"{dtype} sinks alibi", {**base, "sinks": True, "alibi": True, "is_causal": True}
+        if dtype in ("float16", "bfloat16"):  # head dims with their own tiles (the
+            # opt-in aa_fwd_tc2 at 96, the tensor-core backward at 256: SANITIZE_ENV)
+            for E in (96, 256):
+                yield f"{dtype} E{E} causal", {**base, "E": E, "is_causal": True}
         # arrayattn.flex: a block mask (the kernels' block table and partial-block bits)
         yield f"{dtype} block mask", {**base, "doc_mask": True, "is_causal": True}
         # L <= 16 over S >= 128: the split-KV decode kernels (an empty sequence included)

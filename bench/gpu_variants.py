@@ -83,6 +83,10 @@ def _backward_variants() -> list[Variant]:
                         continue
                     launch.setdefault(plan.dkdv, (plan.dkdv_threads, plan.dkdv_smem))
                     launch.setdefault(plan.dq, (plan.dq_threads, plan.dq_smem))
+    # every compiled plan, the opt-in ones (head dim 256 on tensor cores) included
+    for plan in getattr(backward, "_all_plans", list)():
+        launch.setdefault(plan.dkdv, (plan.dkdv_threads, plan.dkdv_smem))
+        launch.setdefault(plan.dq, (plan.dq_threads, plan.dq_smem))
     out = []
     for source, names in backward.COMPILE_VARIANTS.items():
         for name in names:

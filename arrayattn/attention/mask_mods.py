@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .._backend import Array, array_namespace
+from .._backend import Array, array_namespace, device, is_numpy
 
 __all__ = [
     "MaskMod",
@@ -257,16 +257,28 @@ def sliding_window_mask(left: int, right: int = 0, *, offset: int = 0) -> MaskMo
     return _Window(left, right, offset, f"sliding_window_mask({left}, {right})")
 
 
+def _like_index(ids: Array, idx: Any) -> Array:
+    """``ids`` in the library of the index arrays ``idx``: NumPy ids a built-in holds
+    move to the library the indices come from (JAX's traced indices on a GPU, PyTorch's),
+    so a built-in mask built on NumPy runs on every path; ids of any other library stay
+    as they are (a mismatch there is the caller's, reported by the bridges)."""
+    if not hasattr(idx, "shape") or not is_numpy(array_namespace(ids)):
+        return ids
+    xi = array_namespace(idx)
+    return ids if is_numpy(xi) else xi.asarray(ids, device=device(idx))
+
+
 def _take_rows(ids: Array, b: Any, idx: Any) -> Array:
     """``ids[b, idx]`` for per-token ids ``(B, N)`` (or ``(N,)``, shared by the batch)
     and broadcasting int index arrays, with array-API operations only (a flat ``take``)."""
+    ids = _like_index(ids, idx)
     xp = array_namespace(ids)
     n = ids.shape[-1]
-    idx = xp.asarray(idx, dtype=xp.int64, device=ids.device)
+    idx = xp.asarray(idx, dtype=xp.int64, device=device(ids))
     if ids.ndim == 1:
         flat_idx = idx
     else:
-        bb = xp.asarray(b, dtype=xp.int64, device=ids.device)
+        bb = xp.asarray(b, dtype=xp.int64, device=device(ids))
         flat_idx = bb * n + idx
     shape = flat_idx.shape
     out = xp.take(xp.reshape(ids, (-1,)), xp.reshape(flat_idx, (-1,)), axis=0)
@@ -384,7 +396,8 @@ class _PrefixLM(MaskMod):
             prefix = kv_idx < self.value
         else:
             bb = xp.asarray(b, dtype=xp.int64)
-            p = xp.take(xp.astype(self.per_batch, xp.int64), xp.reshape(bb, (-1,)), axis=0)
+            per_batch = _like_index(self.per_batch, kv_idx)
+            p = xp.take(xp.astype(per_batch, xp.int64), xp.reshape(bb, (-1,)), axis=0)
             prefix = kv_idx < xp.reshape(p, bb.shape)
         return xp.logical_or(prefix, kv_idx <= q_idx)
 

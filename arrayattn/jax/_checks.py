@@ -14,7 +14,7 @@ import numpy as np
 from ..attention.block_mask import BlockMask
 from ..attention.dropout import normalize_seed
 from ..attention.held import held_arrays, held_libraries
-from ..attention.mask_mods import as_mask_mod
+from ..attention.mask_mods import MaskMod, as_mask_mod, classifiable
 from ..attention.score_mods import ScoreMod, as_score_mod
 
 __all__ = ["as_jax_array", "require_static", "static_seed", "check_flex", "Flex"]
@@ -141,8 +141,9 @@ def check_flex(block_mask: Any, mask_mod: Any, score_mod: Any) -> Flex:
 
     A block mask built for NumPy (the default) or JAX (``xp=jax.numpy``) runs on either
     path (its block kinds are NumPy arrays); another library is a ``ValueError``. Arrays
-    a mask_mod or score_mod holds must be NumPy arrays (the call then runs on the host)
-    or concrete JAX arrays (the traced path); both at once, or a traced one, is a
+    a mask_mod or score_mod holds must be NumPy arrays (the call then runs on the host;
+    the built-in mask_mods' NumPy ids run on either path) or concrete JAX arrays (the
+    traced path); both at once, or a traced one, is a
     ``TypeError`` (a score_mod's ``params``
     excepted: they are the custom_vjp's inputs and get gradients). A score_mod with params
     must be rebuildable (``ScoreMod(..., rebuild=)``, the built-ins are).
@@ -205,7 +206,11 @@ def check_flex(block_mask: Any, mask_mod: Any, score_mod: Any) -> Flex:
             )
         if "jax" in libs and not traced:
             traced = f"{name} {obj!r} holds JAX arrays"
-        if "numpy" in libs and not host:
+        # the built-ins move NumPy ids to the indices' library when evaluated, so they
+        # run on every path; a user's function indexing NumPy arrays cannot take
+        # traced indices
+        builtin = isinstance(obj, MaskMod) and classifiable(obj)
+        if "numpy" in libs and not host and not builtin:
             host = f"{name} {obj!r} holds NumPy arrays"
     if traced and host:
         raise TypeError(

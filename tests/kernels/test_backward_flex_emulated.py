@@ -1,10 +1,12 @@
 """Block masks (``arrayattn.flex``) in the backward kernels, on the CPU: the ``FLEX``
-instantiations of v2 (``aa_bwd_dkdv_mma2`` / ``aa_bwd_dq_mma2``) and of the CUDA-core
+instantiations of v4 (``aa_bwd_dkdv_mma4`` beside v2's dQ kernel), of v2
+(``aa_bwd_dkdv_mma2`` / ``aa_bwd_dq_mma2``) and of the CUDA-core
 kernels (``aa_bwd_*_simt``) run on the host emulator (``backward_emulator.h``) with the
 block table of ``cuda/flex_table.py`` (the dQ kernels walk the forward's lists, the dK/dV
 kernels the transposed ones), against the float64 dense reference; the host glue
 (``ARRAYATTN_FLEX_BWD_KERNELS``, ``backward.declines``, ``fused.FusedAttention.backward``);
-and one ThreadSanitizer run. Nothing here has run on a GPU.
+v4 FLEX bit for bit against v2 FLEX in deterministic mode; and ThreadSanitizer runs of
+the v2 and v4 FLEX kernels. Nothing here has run on a GPU.
 """
 
 from __future__ import annotations
@@ -26,7 +28,12 @@ from _backward_reference import reference  # noqa: E402
 from arrayattn.attention import block_mask as bmod  # noqa: E402
 from arrayattn.attention.cuda import backward as kb  # noqa: E402
 from arrayattn.attention.cuda import flex_table  # noqa: E402
-from arrayattn.attention.cuda.backward import flex_plan, run_kernels  # noqa: E402
+from arrayattn.attention.cuda.backward import (  # noqa: E402
+    SOURCE_V4,
+    flex_plan,
+    flex_plan_for,
+    run_kernels,
+)
 from arrayattn.flex import create_block_mask  # noqa: E402
 
 TOL = {"float64": 1e-12, "float32": 2e-6, "float16": 2e-2, "bfloat16": 5e-2}
@@ -64,8 +71,8 @@ def _doc_ids(n: int, lengths: list[int]) -> np.ndarray:
 
 
 # -- block masks of the cases ----------------------------------------------------------------
-def _document_causal(B: int, L: int, block):
-    ids = np.stack([_doc_ids(L, [70, 60, 62]), _doc_ids(L, [130, 62])])[:B]
+def _document_causal(B: int, L: int, block, lengths=([70, 60, 62], [130, 62])):
+    ids = np.stack([_doc_ids(L, list(n)) for n in lengths])[:B]
 
     def mod(b, h, q_idx, kv_idx):
         return (ids[b, q_idx] == ids[b, kv_idx]) & (kv_idx <= q_idx)
@@ -135,17 +142,18 @@ def run_flex(lib, kind, bm, *, B, Hq, Hkv, L, S, E, Ev, deterministic, variant="
 def _check(kind, got, ref, launch, want: str, deterministic: bool) -> None:
     names = [n for n, *_ in launch.launches]
     assert any(n.startswith(f"aa_bwd_dkdv_{want}") and n.endswith(", true>") for n in names)
-    assert deterministic == any(n.startswith(f"aa_bwd_dq_{want}") for n in names), names
+    dq_want = "mma2" if want == "mma4" else want  # v4 runs v2's deterministic dQ kernel
+    assert deterministic == any(n.startswith(f"aa_bwd_dq_{dq_want}") for n in names), names
     for name, g, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
         assert np.all(np.isfinite(g)), f"{name}: unwritten or non-finite elements"
         err = float(np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-300))
         assert err <= TOL[kind], f"{name}: relative error {err:.3g}"
 
 
-def _names(kinds_dims) -> list[str]:
+def _names(kinds_dims, variant: str = "v2") -> list[str]:
     out: list[str] = []
     for kind, d in kinds_dims:
-        p = flex_plan(kind, d, d, variant="v2")
+        p = flex_plan(kind, d, d, variant=variant)
         assert p is not None
         out += [n for n in (p.preprocess, p.dkdv, p.dq, p.convert) if n]
     return sorted(set(out))
@@ -306,15 +314,52 @@ def test_predicate_equals_bits_and_reference(
 def test_flex_plan_and_variants() -> None:
     assert flex_plan("float16", 64, 64, "v1").dkdv.startswith("aa_bwd_dkdv_mma2<")  # v1 -> v2
     assert flex_plan("float16", 64, 64, "v3").dkdv.startswith("aa_bwd_dkdv_mma2<")  # v3 -> v2
-    assert flex_plan("float16", 128, 128, "v4").dkdv.startswith("aa_bwd_dkdv_mma2<")  # v4 -> v2
+    v4 = flex_plan("float16", 128, 128, "v4")
+    assert v4.dkdv == "aa_bwd_dkdv_mma4<AaF16, 128, 64, 128, 4, 16, true>"
+    assert v4.dq == flex_plan("float16", 128, 128, "v2").dq  # v2's FLEX dQ kernel
+    assert flex_plan("float16", 96, 96, "v4") is None  # v1's tensor-core kernels: none
+    assert flex_plan("float32", 64, 64, "v4").dkdv.startswith("aa_bwd_dkdv_simt<")
     assert flex_plan("float16", 60, 60, "v2") is None  # E not a multiple of 8: v1's tc only
     assert flex_plan("bfloat16", 200, 200).dq.startswith("aa_bwd_dq_simt<AaBF16,")
     names = kb.COMPILE_VARIANTS[kb.SOURCE]
     for kind, d in (("float16", 64), ("float16", 128), ("float32", 256), ("float64", 128)):
-        p = flex_plan(kind, d, d)
-        assert p.dkdv in names and p.dq in names
+        for variant in ("v2", "v4"):
+            p = flex_plan(kind, d, d, variant)
+            assert p.dkdv in kb.COMPILE_VARIANTS[kb.kernel_file(p.dkdv)] and p.dq in names
     assert not any(n.endswith("true>") for n in kb.COMPILE_VARIANTS[kb.SOURCE_V3])
-    assert not any(n.endswith("true>") for n in kb.COMPILE_VARIANTS[kb.SOURCE_V4])
+    v4_flex = [n for n in kb.COMPILE_VARIANTS[kb.SOURCE_V4] if n.endswith("true>")]
+    assert len(v4_flex) == 4 and set(v4_flex) <= set(kb.HOT_VARIANTS)  # 2 dtypes x D 64/128
+
+
+def test_flex_default_variant_is_v2_until_measured(monkeypatch) -> None:
+    """ARRAYATTN_BWD_VARIANT unset: block masks keep v2's FLEX kernels (v4's FLEX kernel is
+    not the default before a GPU measurement), although v4 is the unmasked default; set,
+    it picks the block-mask variant (the A/B)."""
+    monkeypatch.delenv("ARRAYATTN_BWD_VARIANT", raising=False)
+    assert kb.FLEX_DEFAULT_VARIANT == "v2" and kb.flex_bwd_variant() == "v2"
+    assert kb.backward_plan("float16", 128, 128).variant == "v4"
+    assert flex_plan("float16", 128, 128).dkdv.startswith("aa_bwd_dkdv_mma2<")
+    monkeypatch.setenv("ARRAYATTN_BWD_VARIANT", "v4")
+    assert flex_plan("float16", 128, 128).dkdv.startswith("aa_bwd_dkdv_mma4<")
+    monkeypatch.setenv("ARRAYATTN_BWD_VARIANT", "v2")
+    assert flex_plan("float16", 128, 128).dkdv.startswith("aa_bwd_dkdv_mma2<")
+
+
+def test_flex_plan_for_falls_back_to_v2_tiles() -> None:
+    """v4's 128-row query steps (D = 64) need Q_BLOCK % 128 == 0: a 64-row block mask runs
+    v2's FLEX kernels under v4 (not the array-API backward); ARRAYATTN_BWD_VARIANT=v2's A/B
+    plan is v2's; a mask neither variant fits is declined with the reason."""
+    from arrayattn.flex import causal_mask
+
+    big = create_block_mask(causal_mask, None, None, 256, 256)  # (128, 128)
+    small = create_block_mask(causal_mask, None, None, 256, 256, block_size=(64, 128))
+    narrow = create_block_mask(causal_mask, None, None, 256, 256, block_size=(128, 64))
+    assert flex_plan_for("float16", 64, 64, big, "v4")[0].variant == "v4"
+    assert flex_plan_for("float16", 64, 64, big, "v2")[0].variant == "v2"
+    assert flex_plan_for("float16", 64, 64, small, "v4")[0].variant == "v2"
+    assert flex_plan_for("float16", 128, 128, small, "v4")[0].variant == "v4"  # BM = 64
+    plan, why = flex_plan_for("float16", 64, 64, narrow, "v4")
+    assert plan is None and "multiple of the backward kernels'" in why
 
 
 def test_declines_and_fused_routing(monkeypatch) -> None:
@@ -408,10 +453,125 @@ def test_backward_hook_end_to_end(library, monkeypatch, dtype) -> None:
         assert err <= tol, (name, err)
 
 
-# -- ThreadSanitizer: the v2 FLEX kernels' list walk and prefetch ----------------------------
-def _tsan_case(lib: Path) -> int:
-    """The child's work: the v2 GQA window case (a head skipped by the prefetch), atomic
-    dQ; exit 1 when a gradient is off."""
+# -- v4 (float16/bfloat16, D = 64: 128-row steps; D = 128: 64-row steps; 128-key blocks) ------
+V4_DIMS = {64: (56, 64), 128: (120, 128)}  # padded head dim -> (E, Ev): padded columns, E != Ev
+V4_LIB = (("float16", 64), ("float16", 128), ("bfloat16", 64), ("bfloat16", 128))
+V4_DOCS = ([256], [128, 128])  # document lengths per batch (L = 256): full and empty blocks
+
+
+@pytest.fixture(scope="module")
+def library_v4(tmp_path_factory):
+    """v4's FLEX dK/dV kernels and, from the same file (attn_bwd_v4.cu includes
+    attn_bwd.cu), v2's FLEX kernels for the bit comparison."""
+    if emu.compiler() is None or emu.cuda_include() is None:
+        pytest.skip("g++ and the CUDA headers are needed for the host emulator")
+    names = sorted(set(_names(V4_LIB, "v4") + _names((("float16", 128),), "v2")))
+    return emu.build(names, tmp_path_factory.mktemp("bwd_flex_emu_v4"), kernel_file=SOURCE_V4)
+
+
+@pytest.mark.parametrize(
+    "kind,d,deterministic",
+    [("float16", 64, False), ("bfloat16", 64, True)],
+)
+def test_v4_document_causal_gqa(library_v4, kind, d, deterministic) -> None:
+    """Documents with causal inside, B = 2, GQA 2:1, blocks (128, 128), L = S = 256: empty,
+    full (the plain path) and partial blocks in key block 0's lists (empty ones skipped)."""
+    B, Hq, Hkv, L = 2, 2, 1, 256
+    bm = _document_causal(B, L, (128, 128), V4_DOCS)
+    col = bm.kinds[:, 0, :, 0].tolist()  # (batch, query blocks) of key block 0
+    assert col == [[bmod.PARTIAL, bmod.FULL], [bmod.PARTIAL, bmod.EMPTY]]
+    got, ref, launch = run_flex(library_v4, kind, bm, B=B, Hq=Hq, Hkv=Hkv, L=L, S=L,
+                                E=V4_DIMS[d][0], Ev=V4_DIMS[d][1], deterministic=deterministic,
+                                variant="v4")  # fmt: skip
+    _check(kind, got, ref, launch, "mma4", deterministic)
+
+
+def test_v4_window_global_empty_heads_sinks(library_v4) -> None:
+    """Per-head sliding windows + global tokens, GQA 4:1 with heads 0 and 2 seeing none of
+    key block 2 (the prologue and prefetch skip them), sinks, a Q_BLOCK of 256 (two of v4's
+    128-row steps per mask block at D = 64), atomic dQ."""
+    B, Hq, Hkv, L, S = 1, 4, 1, 256, 384
+    bm = _window_global(Hq, L, S, (256, 128))
+    col = bm.kinds[0, :, :, 2] != bmod.EMPTY
+    assert col.any(axis=1).tolist() == [False, True, False, True]
+    got, ref, launch = run_flex(library_v4, "float16", bm, B=B, Hq=Hq, Hkv=Hkv, L=L, S=S,
+                                E=56, Ev=64, deterministic=False, sinks=True,
+                                variant="v4")  # fmt: skip
+    _check("float16", got, ref, launch, "mma4", False)
+
+
+def test_v4_prefix_lm_lengths_wide_blocks(library_v4) -> None:
+    """Prefix-LM per batch with q_lengths/kv_lengths (rows and keys past the lengths),
+    KV_BLOCK 256 (two of v4's 128-key blocks per mask block: words at column 128 + 32 w),
+    bfloat16 at D = 128; one head (CI time: GQA runs in the other cases)."""
+    B, Hq, Hkv, L, S = 2, 1, 1, 200, 300
+    bm = _prefix_lm(B, L, S, (128, 256))
+    got, ref, launch = run_flex(library_v4, "bfloat16", bm, B=B, Hq=Hq, Hkv=Hkv, L=L, S=S,
+                                E=120, Ev=128, deterministic=False, q_lens=(200, 131),
+                                k_lens=(300, 170), variant="v4")  # fmt: skip
+    _check("bfloat16", got, ref, launch, "mma4", False)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_v4_predicate_equals_bits(library_v4, tmp_path_factory, monkeypatch, deterministic):
+    """v4's FLEX dK/dV kernel reads partial blocks through aa_bflex_word: a built-in causal
+    document mask compiled in (AA_FLEX_PRED, the word built from 32 evaluations) against
+    its bits (ARRAYATTN_FLEX_PREDICATE=0), both against float64, bit for bit equal (dQ
+    accumulated atomically aside)."""
+    from arrayattn.attention.cuda import flex_pred
+    from arrayattn.flex import document_mask
+
+    B, Hq, Hkv, L = 2, 2, 1, 256
+    ids = np.stack([_doc_ids(L, [100, 156]), _doc_ids(L, [128, 40, 88])])
+    bm = create_block_mask(document_mask(ids, causal=True), B, None, L, L,
+                           block_size=(128, 128))  # fmt: skip
+    assert (bm.kinds == bmod.PARTIAL).any() and (bm.kinds == bmod.EMPTY).any()
+    monkeypatch.setenv(flex_pred.PREDICATE_ENV, "1")
+    prelude = flex_table.prelude(bm)
+    assert "AA_FLEX_PRED_EXPR" in prelude
+    lib = emu.build(_names((("float16", 64),), "v4"), emu.shared_work(tmp_path_factory),
+                    kernel_file=SOURCE_V4, prelude=prelude)  # fmt: skip
+    kw = dict(B=B, Hq=Hq, Hkv=Hkv, L=L, S=L, E=56, Ev=64, deterministic=deterministic,
+              variant="v4")  # fmt: skip
+    got_p, ref, launch = run_flex(lib, "float16", bm, **kw)
+    _check("float16", got_p, ref, launch, "mma4", deterministic)
+    monkeypatch.setenv(flex_pred.PREDICATE_ENV, "0")
+    got_b, ref, launch = run_flex(library_v4, "float16", bm, **kw)
+    _check("float16", got_b, ref, launch, "mma4", deterministic)
+    for i, (p, b) in enumerate(zip(got_p, got_b, strict=True)):
+        if i > 0 or deterministic:
+            np.testing.assert_array_equal(p, b)
+
+
+def test_v4_flex_is_bitwise_v2_flex_in_deterministic_mode(library_v4) -> None:
+    """Deterministic mode: v4's FLEX dK/dV kernel walks v2's steps in v2's order with v2's
+    sums (its full blocks' plain path: the element code's bits), beside v2's FLEX dQ
+    kernel: the gradients are v2 FLEX's very bits."""
+    B, Hq, Hkv, L = 1, 2, 1, 192
+    bm = _document_causal(B, L, (64, 128), ([192],))
+    assert (bm.kinds == bmod.FULL).any() and (bm.kinds == bmod.EMPTY).any()
+    kw = dict(B=B, Hq=Hq, Hkv=Hkv, L=L, S=L, E=120, Ev=128, deterministic=True, sinks=True)
+    v4, ref, l4 = run_flex(library_v4, "float16", bm, variant="v4", **kw)
+    v2, _, l2 = run_flex(library_v4, "float16", bm, variant="v2", **kw)
+    _check("float16", v4, ref, l4, "mma4", True)
+    assert not any("_mma4<" in n for n, *_ in l2.launches)
+    for name, a, b in zip(("dq", "dk", "dv"), v4, v2, strict=True):
+        assert np.array_equal(a, b), name
+
+
+# -- ThreadSanitizer: the v2 and v4 FLEX kernels' list walk and prefetch ----------------------
+def _tsan_case(lib: Path, variant: str = "v2") -> int:
+    """The child's work: the GQA window case (a head skipped by the prefetch); v2 with its
+    deterministic dQ, v4 with the atomic dQ (both of its barriers, partial and full blocks,
+    two 128-row steps of one mask block); exit 1 when a gradient is off."""
+    if variant == "v4":
+        B, Hq, Hkv, L, S = 1, 2, 1, 256, 256  # key block 1: head 0 empty, head 1 listed
+        bm = _window_global(Hq, L, S, (256, 128))
+        got, ref, launch = run_flex(emu.load(lib), "float16", bm, B=B, Hq=Hq, Hkv=Hkv, L=L,
+                                    S=S, E=64, Ev=64, deterministic=False,
+                                    variant="v4")  # fmt: skip
+        _check("float16", got, ref, launch, "mma4", False)
+        return 0
     B, Hq, Hkv, L, S = 1, 2, 1, 128, 256  # key block 1: head 0 empty, head 1 listed
     bm = _window_global(Hq, L, S, (64, 128))
     got, ref, launch = run_flex(emu.load(lib), "float16", bm, B=B, Hq=Hq, Hkv=Hkv, L=L, S=S,
@@ -420,7 +580,8 @@ def _tsan_case(lib: Path) -> int:
     return 0
 
 
-def test_v2_flex_has_no_data_race(tmp_path: Path) -> None:
+@pytest.mark.parametrize("variant", ["v2", "v4"])
+def test_flex_has_no_data_race(tmp_path: Path, variant: str) -> None:
     tsan = pytest.importorskip("_tsan")
     if emu.compiler() is None or emu.cuda_include() is None:
         pytest.skip("g++ and the CUDA headers are needed for the host emulator")
@@ -430,15 +591,17 @@ def test_v2_flex_has_no_data_race(tmp_path: Path) -> None:
     error = tsan.python_fails_with(libtsan)
     if error is not None:
         pytest.skip(f"ThreadSanitizer does not run here: {error}")
-    lib = emu.compile_library(_names((("float16", 64),)), tmp_path, tsan.FLAGS)
+    source = SOURCE_V4 if variant == "v4" else kb.SOURCE
+    lib = emu.compile_library(_names((("float16", 64),), variant), tmp_path, tsan.FLAGS,
+                              kernel_file=source)  # fmt: skip
     env = dict(os.environ, LD_PRELOAD=libtsan, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     env.pop("AA_EMU_EAGER", None)
     env.pop(tsan.SKIP_BARRIER, None)
-    res = subprocess.run([sys.executable, __file__, str(lib)], capture_output=True, text=True,
-                         env=env, timeout=600)  # fmt: skip
+    res = subprocess.run([sys.executable, __file__, str(lib), variant], capture_output=True,
+                         text=True, env=env, timeout=600)  # fmt: skip
     assert tsan.REPORT not in res.stderr, res.stderr[:6000]
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
 
 
 if __name__ == "__main__":
-    sys.exit(_tsan_case(Path(sys.argv[1])))
+    sys.exit(_tsan_case(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "v2"))

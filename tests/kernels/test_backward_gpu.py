@@ -366,3 +366,95 @@ def test_v4_agrees_with_v2(monkeypatch, launched, E, deterministic):
         assert np.array_equal(dq2, dq4)
     else:
         assert rel(dq4, dq2) <= 2e-3
+
+
+# -- head dim 256 on tensor cores (ARRAYATTN_BWD_D256_TC, opt-in under v4) ------------------
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize(
+    "kind,case,E,rows",
+    [
+        ("float16", "plain", 256, "1"),
+        ("float16", "causal_gqa", 256, "1"),
+        ("bfloat16", "bottom_right_ragged", 256, "1"),
+        ("float16", "window_softcap", 200, "1"),
+        ("float16", "dropout_dlse", 256, "32"),
+        ("bfloat16", "lengths", 248, "32"),
+        ("float16", "bool_mask", 256, "32"),
+        ("float16", "sinks_alibi", 200, "1"),
+    ],
+)
+def test_d256_tensor_cores_under_switch(
+    spy, launched, monkeypatch, kind, case, E, rows, deterministic
+):
+    """ARRAYATTN_BWD_D256_TC=1 (64-row steps) or 32 (32-row steps) under v4: the 16-bit
+    backward at padded head dim 256 runs aa_bwd_dkdv_mma4 (and v2's aa_bwd_dq_mma2 in
+    deterministic mode), gradients against float64 at the 16-bit bounds (twice PyTorch's
+    error where it is measured)."""
+    if kind not in _CP_DTYPES:
+        pytest.skip(f"this CuPy has no {kind}")
+    _use_variant(monkeypatch, "v4")
+    monkeypatch.setenv(bwd.D256_TC_ENV, rows)
+    got, ref, inputs, c = _run(kind, case, E=E, Ev=256, deterministic=deterministic)
+    assert spy == [deterministic], "the backward kernels did not run"
+    bm = 32 if rows == "32" else 64
+    assert any(n.startswith("aa_bwd_dkdv_mma4<") and f", 256, {bm}, 64," in n for n in launched)
+    assert deterministic == any(n.startswith("aa_bwd_dq_mma2<") for n in launched), launched
+    bound = {"float16": 2e-2, "bfloat16": 5e-2}[kind]
+    if case in ("plain", "causal_gqa") and E == 256:
+        torch_err = _torch_error(*inputs, ref[0], kind, c)
+        if torch_err is not None:
+            bound = 2.0 * torch_err + 1e-6
+    for name, g, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
+        assert np.all(np.isfinite(g)), name
+        assert rel(g, r) <= bound, f"{name}: {rel(g, r):.3g} > {bound:.3g}"
+
+
+def test_d256_switch_off_keeps_cuda_cores(monkeypatch, launched):
+    """Without the switch head dim 256 runs the CUDA-core kernels under v4 (the default),
+    and the tensor-core result agrees with them to 16-bit rounding."""
+    _use_variant(monkeypatch, "v4")
+    monkeypatch.delenv(bwd.D256_TC_ENV, raising=False)
+    old = _run("float16", "bottom_right_ragged", E=256, Ev=256)[0]
+    assert any("_simt<" in n for n in launched) and not any("_mma4<" in n for n in launched)
+    monkeypatch.setenv(bwd.D256_TC_ENV, "1")
+    launched.clear()
+    new = _run("float16", "bottom_right_ragged", E=256, Ev=256)[0]
+    assert any("_mma4<" in n for n in launched), launched
+    for a, b in zip(new, old, strict=True):
+        assert rel(a, b) <= 5e-3
+
+
+@pytest.mark.parametrize("rows", ["1", "32"])
+def test_d256_deterministic_bit_identical_and_poison_written(monkeypatch, rows):
+    """Deterministic mode at head dim 256 on tensor cores: the same bits over 5 runs; and
+    every output element written (NaN-poisoned buffers, ragged L and S)."""
+    _use_variant(monkeypatch, "v4")
+    monkeypatch.setenv(bwd.D256_TC_ENV, rows)
+    first = None
+    for _ in range(5):
+        got = _run("float16", "causal_gqa", E=256, Ev=256, deterministic=True)[0]
+        if first is None:
+            first = got
+        for a, b in zip(first, got, strict=True):
+            assert np.array_equal(a, b)
+    rng = np.random.default_rng(1)
+    B, Hq, Hkv, L, S, E = 2, 4, 2, 1000, 777, 256
+    q = cupy.asarray(rng.standard_normal((B, Hq, L, E))).astype("float16")
+    k = cupy.asarray(rng.standard_normal((B, Hkv, S, E))).astype("float16")
+    v = cupy.asarray(rng.standard_normal((B, Hkv, S, E))).astype("float16")
+    out, lse = aa.scaled_dot_product_attention(
+        q, k, v, is_causal=True, causal_align="bottom_right", enable_gqa=True,
+        return_lse=True, implementation="fused",
+    )  # fmt: skip
+    d_out = cupy.asarray(rng.standard_normal(out.shape)).astype("float16")
+    plan = bwd.backward_plan("float16", E, E, variant="v4")
+    assert plan.tensor_cores and plan.head_dim == 256
+    for deterministic in (False, True):
+        dq, dk, dv = bwd.run_kernels(
+            _CupyPoison, bwd._cupy_launch, plan, q, k, v, out, d_out, lse, None,
+            scale=1.0 / math.sqrt(E), bottom_right=True, window=(-1, 0),
+            deterministic=deterministic,
+        )  # fmt: skip
+        cupy.cuda.runtime.deviceSynchronize()
+        for x in (dq, dk, dv):
+            assert bool(cupy.isfinite(x.astype(cupy.float32)).all())

@@ -415,13 +415,14 @@ def test_v3_plan_and_what_it_declines_to(kind, e, ev, want):
 def test_v4_plan_and_what_it_declines_to(kind, e, ev, want):
     """v4 has its own dK/dV kernel at head dims 64 and 128 (16-bit kinds, E and Ev multiples
     of 8) with v2's deterministic dQ; anything else gets exactly v2's plan (or v1's, as v2);
-    block masks get v2's FLEX plan."""
+    block masks get v4's FLEX dK/dV kernel beside v2's FLEX dQ kernel."""
     from arrayattn.attention.cuda import backward as bwd
 
     plan = bwd.backward_plan(kind, e, ev, variant="v4")
     assert plan.variant == want
     if want != "v4":
         assert plan == bwd.backward_plan(kind, e, ev, variant="v2")
+        assert bwd.flex_plan(kind, e, ev, variant="v4") == bwd.flex_plan(kind, e, ev, "v2")
         return
     v2 = bwd.backward_plan(kind, e, ev, variant="v2")
     assert plan.dkdv.startswith("aa_bwd_dkdv_mma4<") and plan.dq == v2.dq
@@ -437,7 +438,10 @@ def test_v4_plan_and_what_it_declines_to(kind, e, ev, want):
         4 * bm * 4
     )
     assert plan.dkdv_smem <= 227 * 1024
-    assert bwd.flex_plan(kind, e, ev, variant="v4") == bwd.flex_plan(kind, e, ev, variant="v2")
+    flex, flex2 = bwd.flex_plan(kind, e, ev, variant="v4"), bwd.flex_plan(kind, e, ev, "v2")
+    assert flex.dkdv == plan.dkdv[:-1] + ", true>" and flex.dq == flex2.dq
+    assert flex.dkdv in bwd.COMPILE_VARIANTS["attn_bwd_v4.cu"] and flex.dkdv in bwd.HOT_VARIANTS
+    assert (flex.dkdv_block_m, flex.dkdv_block_n, flex.dkdv_smem) == (bm, bn, plan.dkdv_smem)
 
 
 @pytest.mark.parametrize("d,variant", [(64, "v2"), (128, "v2"), (64, "v4"), (128, "v4")])

@@ -26,6 +26,8 @@ import pytest
 
 from arrayattn.attention.cuda.tiles import (
     DIAG_FROM_LENGTHS,
+    TC2_D96_ENV,
+    ForwardLaunch,
     TileConfig,
     forward_kernel_name,
     forward_launch,
@@ -40,6 +42,14 @@ from arrayattn.attention.dropout import dropout_keep, dropout_threshold
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
+
+
+def _launch_opted_in(*args) -> ForwardLaunch:
+    """``forward_launch`` with ``ARRAYATTN_FWD_TC2_D96=1`` (v2 at D = 96, off by default),
+    so that the D = 96 cases run aa_fwd_tc2 whatever the caller's environment."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(TC2_D96_ENV, "1")
+        return forward_launch(*args)
 
 
 @dataclass(frozen=True)
@@ -84,7 +94,7 @@ class Case:
     @property
     def kernel(self) -> str:
         if self.variant in ("v2", "v3"):
-            launch = forward_launch(
+            launch = _launch_opted_in(
                 self.kind,
                 self.d,
                 self.softcap is not None,
@@ -306,6 +316,22 @@ V2_CASES = {
         variant="v2",
     ),
 }
+# v2 at D = 96 (ARRAYATTN_FWD_TC2_D96=1): 12 chunks a row copied by 96 of the 128 threads,
+# 6 k-steps, 12 O n-tiles; the options v2 runs at D = 128 (causal both alignments,
+# windows, lengths, GQA, strided rows, sinks, blocks with no key tile, the O rescale skip;
+# block masks in test_forward_flex_emulated.py).
+V2_CASES.update({
+    "v2_f16_d96_gqa_bshd_ragged_rescale": Case(
+        "float16", 96, Hq=4, Hkv=2, L=150, S=141, bshd=True, k_boost=64, variant="v2"
+    ),
+    "v2_bf16_d96_causal_br_lengths_sinks": Case(
+        "bfloat16", 96, B=2, Hq=2, Hkv=1, L=70, S=200, causal=True, bottom_right=True,
+        q_lens=(70, 33), kv_lens=(200, 0), sinks=True, variant="v2",
+    ),
+    "v2_f16_d96_causal_tl_window": Case(
+        "float16", 96, Hq=1, L=200, S=230, causal=True, window=(90, 0), variant="v2"
+    ),
+})  # fmt: skip
 CASES.update(V2_CASES)
 
 # aa_fwd_tf32 (float32 on tensor cores as three TF32 products, ARRAYATTN_FWD_VARIANT=v3):
@@ -711,6 +737,10 @@ _RACE_CASES = {
     "v2_f16_d64_gqa": Case("float16", 64, Hq=2, Hkv=1, L=140, S=150, bshd=True, variant="v2"),
     "v2_f16_d64_causal": Case("float16", 64, Hq=1, L=140, S=140, causal=True, variant="v2"),
     "v2_f16_d64_no_key_tiles": CASES["v2_f16_d64_no_key_tiles"],
+    # D = 96: warp 3 copies no K/V row; blocks with no key tile and a ragged second tile.
+    "v2_f16_d96_no_key_tiles": Case(
+        "float16", 96, B=2, Hq=1, L=260, S=90, q_lens=(260, 20), kv_lens=(0, 90), variant="v2"
+    ),
     # v3 (aa_fwd_tf32): the same one-barrier schedule in float; blocks with no key tile and
     # a sequence of two key tiles.
     "v3_f32_d64_no_key_tiles": CASES["v3_f32_d64_no_key_tiles"],

@@ -168,6 +168,21 @@ def test_v2_document_causal_gqa_sinks(fake_cupy, monkeypatch) -> None:
 
 
 @pytest.mark.slow
+def test_v2_d96_document_causal_lengths(fake_cupy, monkeypatch) -> None:
+    """aa_fwd_tc2 at D = 96 (ARRAYATTN_FWD_TC2_D96=1) with a block mask: packed documents
+    (causal), GQA, per-batch lengths, L = S = 200 (ragged); empty, full and partial blocks."""
+    monkeypatch.setenv("ARRAYATTN_FWD_TC2_D96", "1")
+    L = 200
+    bm = create_block_mask(
+        document_mask(_doc_ids(L, [30, 120, 50]), causal=True), None, None, L, L,
+        block_size=(128, 64),
+    )  # fmt: skip
+    _run(monkeypatch, "v3", np.float16, 96, bm, B=2, Hq=2, Hkv=1, L=L, S=L,
+         q_lens=[200, 150], kv_lens=[200, 170],
+         want="aa_fwd_tc2<0, 96, false, 4, false>")  # fmt: skip
+
+
+@pytest.mark.slow
 def test_v3_tf32_document_causal_gqa_sinks_lengths(fake_cupy, monkeypatch) -> None:
     """aa_fwd_tf32 (v3, float32 on tensor cores) at D = 128 through fused.py: packed
     documents (causal), GQA, sinks, per-batch lengths, block size (128, 64) over 64 x 32
@@ -381,6 +396,9 @@ def test_declines_and_routes(fake_cupy, monkeypatch) -> None:
     for d, variant in ((64, "v2"), (128, "v2"), (96, "v1"), (256, "v1")):
         spec = _spec(bm, d=d)
         assert fused._launch(spec, "float16", d, None).variant == variant
+    monkeypatch.setenv("ARRAYATTN_FWD_TC2_D96", "1")  # v2 at D = 96 (opt-in)
+    assert fused._launch(_spec(bm, d=96), "float16", 96, None).variant == "v2"
+    monkeypatch.delenv("ARRAYATTN_FWD_TC2_D96")
     bm32 = create_block_mask(causal_mask, None, None, L, L, block_size=(128, 32))
     assert "multiple of the kernel's" in fused.declines(_spec(bm32))  # D = 64: 64-key tiles
     assert fused.declines(_spec(bm32, d=128)) is None  # v1 at D = 128: 32-key tiles

@@ -6,7 +6,9 @@ with the backward kernels opted out (``ARRAYATTN_FLEX_BWD_KERNELS=0``: fused for
 array-API backward from the kernel's LSE) against NumPy; a timing print of block mask vs
 dense mask on a packed 8-document batch (not asserted); and the backward kernels'
 block-mask instantiations (the default since they ran on an H100: v2 and the CUDA-core
-kernels, both dQ modes; a spy checks they ran) against NumPy float64.
+kernels, both dQ modes; v4's ``aa_bwd_dkdv_mma4<..., true>`` under
+``ARRAYATTN_BWD_VARIANT=v4`` at head dims 64 and 128, float16; a spy checks they ran) against NumPy
+float64.
 Skips cleanly without CuPy or without a CUDA device.
 
     python -m pytest tests/kernels/test_fused_flex_gpu.py -q -s
@@ -253,31 +255,40 @@ def test_vjp_fused_forward_array_api_backward(dtype, launched, monkeypatch) -> N
         assert err <= (tol if name == "out" else 4 * tol), (name, err)
 
 
-# (case, dtype, deterministic): v2 (float16 at D = 64) and the CUDA-core kernels (float32),
-# the atomic and the deterministic dQ.
+# (case, dtype, deterministic, ARRAYATTN_BWD_VARIANT, head dim): v2 (float16 at D = 64),
+# the CUDA-core kernels (float32), v4 (aa_bwd_dkdv_mma4 FLEX, float16 at D = 64 and 128:
+# every case, both dQ modes; bfloat16 runs on the CPU emulator), the atomic and the
+# deterministic dQ.
 _BWD_RUNS = [
-    ("document", "float16", False),
-    ("document", "float16", True),
-    ("prefix_lm", "float32", False),
-    ("window_global", "float16", True),
-    ("window_global", "float32", True),
+    ("document", "float16", False, "v2", 64),
+    ("document", "float16", True, "v2", 64),
+    ("prefix_lm", "float32", False, "v2", 64),
+    ("window_global", "float16", True, "v2", 64),
+    ("window_global", "float32", True, "v2", 64),
+    ("document", "float16", False, "v4", 64),
+    ("document", "float16", True, "v4", 128),
+    ("prefix_lm", "float16", False, "v4", 128),
+    ("prefix_lm", "float16", True, "v4", 64),
+    ("window_global", "float16", True, "v4", 64),
+    ("window_global", "float16", False, "v4", 128),
 ]
 _GRAD_TOL = {"float16": 2e-2, "float32": 4e-5}  # (the emulated tests' bounds)
 
 
 @_PRED
-@pytest.mark.parametrize("case,dtype,deterministic", _BWD_RUNS)
-def test_backward_kernels_with_block_masks(case, dtype, deterministic, launched,
+@pytest.mark.parametrize("case,dtype,deterministic,variant,E", _BWD_RUNS)
+def test_backward_kernels_with_block_masks(case, dtype, deterministic, variant, E, launched,
                                            monkeypatch, predicate) -> None:  # fmt: skip
     """By default (ARRAYATTN_FLEX_BWD_KERNELS unset) vjp with a block mask runs the
     backward kernels' FLEX instantiations (spy: the dK/dV kernel, and the dQ kernel in
-    deterministic mode, with the last template argument ``true``); out, dq, dk, dv
-    against NumPy float64 (the composed path on the same rounded inputs)."""
+    deterministic mode, with the last template argument ``true``; v4's dK/dV kernel beside
+    v2's dQ under ARRAYATTN_BWD_VARIANT=v4, v2's under v2); out, dq, dk, dv against NumPy
+    float64 (the composed path on the same rounded inputs)."""
     monkeypatch.delenv(kernels_backward.FLEX_ENV, raising=False)
     _set_predicate(monkeypatch, predicate)
+    monkeypatch.setenv("ARRAYATTN_BWD_VARIANT", variant)
     B, Hq, Hkv, L, S, extra = _CASES[case]
-    E = 64
-    rng = np.random.default_rng(abs(hash((case, dtype))) % 2**32)
+    rng = np.random.default_rng(abs(hash((case, dtype, E))) % 2**32)
     npdt = getattr(np, dtype)
     q, k, v = (
         rng.standard_normal(shape).astype(npdt).astype(np.float64)
@@ -307,14 +318,41 @@ def test_backward_kernels_with_block_masks(case, dtype, deterministic, launched,
     dq = [n for n in launched if n.startswith("aa_bwd_dq_")]
     assert dkdv and all(n.endswith(", true>") for n in dkdv), launched
     assert bool(dq) == deterministic and all(n.endswith(", true>") for n in dq), launched
-    family = "mma2<" if dtype == "float16" else "simt<"
-    assert all(family in n for n in dkdv + dq), launched
+    if dtype == "float32":
+        assert all("simt<" in n for n in dkdv + dq), launched
+    else:  # v4: its own dK/dV kernel, v2's deterministic dQ
+        assert all(("mma4<" if variant == "v4" else "mma2<") in n for n in dkdv), launched
+        assert all("mma2<" in n for n in dq), launched
     _check_path(predicate)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         a_np = cp.asnumpy(a.astype(cp.float64))
         assert np.isfinite(a_np).all(), name
         err = _rel(a_np, b)
         assert err <= (_TOL[dtype] if name == "out" else _GRAD_TOL[dtype]), (name, err)
+
+
+@pytest.mark.parametrize("E", [64, 128])
+def test_backward_v4_block_mask_is_v2_bits_deterministic(E, launched, monkeypatch) -> None:
+    """Deterministic mode: v4's FLEX dK/dV kernel (beside v2's FLEX dQ kernel) gives v2
+    FLEX's very bits (same steps in the same order, same sums), on the document case."""
+    monkeypatch.delenv(kernels_backward.FLEX_ENV, raising=False)
+    B, Hq, Hkv, L, S, _ = _CASES["document"]
+    rng = np.random.default_rng(E)
+    q, k, v, g = (
+        cp.asarray(rng.standard_normal(shape), dtype=cp.float16)
+        for shape in ((B, Hq, L, E), (B, Hkv, S, E), (B, Hkv, S, E), (B, Hq, L, E))
+    )
+    bm = flex.create_block_mask(_mask_mod("document", cp, 7, B, L), B, None, L, S, xp=cp)
+    grads = {}
+    for variant in ("v2", "v4"):
+        monkeypatch.setenv("ARRAYATTN_BWD_VARIANT", variant)
+        with kernels_backward.deterministic(True):
+            _, pb = aa.vjp(aa.scaled_dot_product_attention, q, k, v, enable_gqa=True,
+                           block_mask=bm)  # fmt: skip
+            grads[variant] = [cp.asnumpy(x) for x in pb(g)[:3]]
+    assert any("mma4<" in n and n.endswith(", true>") for n in launched), launched
+    for name, a, b in zip(("dq", "dk", "dv"), grads["v4"], grads["v2"], strict=True):
+        assert np.array_equal(a, b), name
 
 
 def test_timing_block_mask_vs_dense_mask_packed_documents() -> None:

@@ -431,9 +431,11 @@ def test_torch_tensors_through_the_dlpack_bridge_bfloat16_and_float16(fake_cupy,
         err = float((out.float() - ref).norm() / ref.norm())
         assert err <= tol, err
         assert float((lse - ref_lse).abs().max()) <= 1e-4
-    # "auto" keeps PyTorch tensors off this route until it has run on a GPU
+    # "auto" takes this route too, unless ARRAYATTN_AUTO_DLPACK=0
     from arrayattn.attention.registry import auto_choice
     from arrayattn.attention.spec import make_spec
 
     spec = make_spec(q, k, v, None, 0.0, True, None, True, "top_left", None, None, None)
+    assert auto_choice(spec) == "fused"
+    monkeypatch.setenv("ARRAYATTN_AUTO_DLPACK", "0")
     assert auto_choice(spec) != "fused"

@@ -243,6 +243,35 @@ def test_forward_variant_runs_its_kernel(monkeypatch, fwd_variant, causal) -> No
     assert any(n.startswith(want) for n in names), names
 
 
+@pytest.mark.parametrize(
+    "E,opts",
+    [
+        (96, {"is_causal": False}),
+        (96, {"is_causal": True}),
+        (96, {"is_causal": True, "causal_align": "bottom_right", "q_lens": [700, 129],
+              "kv_lens": [1000, 0]}),
+        (96, {"window": (200, 30)}),
+        (80, {"is_causal": True}),  # padded to 96
+    ],
+    ids=["noncausal", "causal", "causal_br_lengths", "window", "e80_causal"],
+)  # fmt: skip
+def test_fwd_tc2_d96_switch_runs_its_kernel(monkeypatch, fwd_variant, E, opts) -> None:
+    """ARRAYATTN_FWD_TC2_D96=1: float16 D = 96 runs aa_fwd_tc2 (64-key tiles) under v2 and
+    aa_fwd_tc under v1, float16-accurate against float64 (several key tiles, GQA, causal
+    block skipping, ragged tails, lengths with an empty sequence, windows)."""
+    from arrayattn.attention.cuda import _loader
+
+    monkeypatch.setenv("ARRAYATTN_FWD_TC2_D96", "1")
+    names: list[str] = []
+    real = _loader.get_kernel
+    monkeypatch.setattr(
+        _loader, "get_kernel", lambda f, n, smem=0: names.append(n) or real(f, n, smem)
+    )
+    _run_case(np.float16, 2, 4, 2, 1000, 1000, E, seed_data=E, compare_torch=True, **opts)
+    want = "aa_fwd_tc2<0, 96," if fwd_variant == "v2" else "aa_fwd_tc<0, 96,"
+    assert any(n.startswith(want) for n in names), names
+
+
 @pytest.mark.parametrize("dtype", [np.float32])
 @pytest.mark.parametrize("E", [64, 128])
 def test_float32_variant_runs_its_kernel(monkeypatch, fwd_variant, dtype, E) -> None:
@@ -540,10 +569,47 @@ def test_torch_cuda_tensors_through_dlpack(dtype_name, L, S) -> None:
     dq, dk, dv = pullback(d_out)[:3]
     assert out.dtype == dq.dtype == dt and out.device == q.device
     assert all(torch.equal(x, b) for x, b in zip((q, k, v), before, strict=True))
+    # "auto" takes the same route (the kernels' bits), for tensors not recording gradients
+    auto = aa.scaled_dot_product_attention(q, k, v, **kw)
+    assert torch.equal(auto, out)
     f64 = [x.double() for x in (q, k, v)]
     ref, ref_pull = aa.vjp(aa.scaled_dot_product_attention, *f64, implementation="composed",
                            **kw)  # fmt: skip
     tol = 2e-2 if dtype_name == "bfloat16" else 3e-3
     for got, want in zip((out, dq, dk, dv), (ref, *ref_pull(d_out.double())[:3]), strict=True):
         err = float((got.double() - want).norm() / want.norm())
+        assert err <= 2 * tol, err
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("L,S", [(300, 517), (1, 2000)])  # prefill and decode kernels
+def test_jax_gpu_arrays_through_dlpack(dtype_name, L, S) -> None:
+    """JAX GPU arrays reach the kernels through DLPack when ``implementation="fused"`` is
+    named (bfloat16 as its storage): forward and backward against float64, results JAX
+    arrays of the caller's dtype on the caller's device."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX has no GPU here")
+    rng = np.random.default_rng(L)
+    dt = getattr(jnp, dtype_name)
+    host = [rng.standard_normal(s).astype(np.float32)
+            for s in ((2, 8, L, 128), (2, 2, S, 128), (2, 2, S, 128), (2, 8, L, 128))]  # fmt: skip
+    q, k, v, d_out = (jnp.asarray(x, dtype=dt) for x in host)
+    kw = dict(is_causal=True, causal_align="bottom_right", enable_gqa=True)
+    out, pullback = aa.vjp(aa.scaled_dot_product_attention, q, k, v, implementation="fused",
+                           **kw)  # fmt: skip
+    dq, dk, dv = pullback(d_out)[:3]
+    for got, like in ((out, q), (dq, q), (dk, k), (dv, v)):
+        assert isinstance(got, jax.Array) and got.dtype == dt
+        assert got.devices() == like.devices() and got.shape == like.shape
+    # "auto" takes the same route (the kernels' bits)
+    assert np.array_equal(np.asarray(aa.scaled_dot_product_attention(q, k, v, **kw)),
+                          np.asarray(out))  # fmt: skip
+    f64 = [np.asarray(x).astype(np.float64) for x in (q, k, v, d_out)]
+    ref, ref_pull = aa.vjp(aa.scaled_dot_product_attention, *f64[:3], **kw)
+    tol = {"bfloat16": 2e-2, "float16": 3e-3, "float32": 1e-5}[dtype_name]
+    for got, want in zip((out, dq, dk, dv), (ref, *ref_pull(f64[3])[:3]), strict=True):
+        g = np.asarray(got).astype(np.float64)
+        err = float(np.linalg.norm(g - want) / np.linalg.norm(want))
         assert err <= 2 * tol, err

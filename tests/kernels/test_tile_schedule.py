@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from arrayattn.attention.cuda import tiles
 from arrayattn.attention.cuda.tiles import (
     HEAD_DIMS,
+    TileConfig,
     allowed,
     block_schedule,
     forward_kernel_name,
@@ -161,7 +162,7 @@ def test_kernel_names() -> None:
 
 # -- v2 (aa_fwd_tc2, ARRAYATTN_FWD_VARIANT=v2) --------------------------------------------
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("d", tiles.V2_HEAD_DIMS)
+@pytest.mark.parametrize("d", tiles.V2_HEAD_DIMS + tiles.V2_OPT_IN_HEAD_DIMS)
 def test_v2_schedule_matches_dense_mask(case, d) -> None:
     cfg = tile_config_v2(d)
     assert (cfg.block_m, cfg.block_n, cfg.threads) == (128, 64, 128)
@@ -190,7 +191,7 @@ def test_v2_row_keys_match_allowed(i, q_len, offset, left, right, kv_len, c0) ->
 
 def test_v2_fits_two_blocks_per_sm() -> None:
     # sm_90: 228 KB of shared memory per SM, 1 KB reserved per block; 227 KB per block.
-    for d in tiles.V2_HEAD_DIMS:
+    for d in tiles.V2_HEAD_DIMS + tiles.V2_OPT_IN_HEAD_DIMS:
         smem = tile_config_v2(d).smem_bytes
         assert 2 * (smem + 1024) <= 228 * 1024, (d, smem)
     assert tile_config_v2(128).smem_bytes == (128 + 4 * 64) * 136 * 2
@@ -216,6 +217,36 @@ def test_forward_variant_switch(monkeypatch) -> None:
         tiles.forward_variant()
     with pytest.raises(ValueError, match="variant"):
         forward_launch("float16", 128, False, False, 0, False, 0.1, "v9")
+
+
+def test_v2_d96_switch(monkeypatch) -> None:
+    """D = 96 runs v2 (aa_fwd_tc2, 64-key tiles) only with ARRAYATTN_FWD_TC2_D96=1, under
+    v2 and v3 (the default), for what v2 runs at D = 128 (block masks included; softcap,
+    dense masks, ALiBi and dropout stay on v1), with compiled, spill-checked
+    instantiations; v1 ignores the switch."""
+    compiled = set(tiles.COMPILE_VARIANTS["attn_fwd.cu"])
+    monkeypatch.delenv(tiles.TC2_D96_ENV, raising=False)
+    for variant in ("v2", "v3"):
+        assert forward_launch("float16", 96, False, False, 0, False, 0.1, variant).variant == "v1"
+    monkeypatch.setenv(tiles.TC2_D96_ENV, "0")
+    assert forward_launch("float16", 96, False, False, 0, False, 0.1, "v3").variant == "v1"
+    monkeypatch.setenv(tiles.TC2_D96_ENV, "1")
+    for kind in ("float16", "bfloat16"):
+        for mk in (0, 4):
+            for variant in ("v2", "v3"):
+                launch = forward_launch(kind, 96, False, False, mk, False, 0.1, variant)
+                assert launch.variant == "v2" and launch.config == tile_config_v2(96)
+                assert launch.name in compiled and launch.name in tiles.HOT_VARIANTS
+            assert forward_launch(kind, 96, False, False, mk, False, 0.1, "v1").variant == "v1"
+        for softcap, dropout, mask, alibi in _FLAGS:
+            if softcap or dropout or mask or alibi:
+                launch = forward_launch(kind, 96, softcap, dropout, mask, alibi, 0.1, "v3")
+                assert launch.variant == "v1", (softcap, dropout, mask, alibi)
+    assert forward_launch("float16", 64, False, False, 0, False, 0.1, "v3").variant == "v2"
+    monkeypatch.setenv(tiles.TC2_D96_ENV, "yes")
+    with pytest.raises(ValueError, match=tiles.TC2_D96_ENV):
+        forward_launch("float16", 96, False, False, 0, False, 0.1, "v3")
+    assert tile_config_v2(96) == TileConfig(128, 64, 128, (128 + 4 * 64) * 104 * 2)
 
 
 @pytest.mark.parametrize("kind", ["float16", "bfloat16", "float32", "float64"])

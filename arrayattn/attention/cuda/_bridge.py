@@ -12,9 +12,10 @@ What it does not do: calls whose inputs record gradients for PyTorch's autograd
 (``implementation="fused"`` declines them: autograd could not see through the kernels;
 ``arrayattn.vjp`` gives the kernels' backward), JAX arrays under tracing (``jax.jit``),
 and bfloat16 inputs broadcast over leading dims (their gradient reduction would need a
-bfloat16 sum on CuPy). ``implementation="auto"`` does not pick this route yet: it has
-not run on a GPU (``tests/kernels/test_fused_gpu.py`` checks it there; on the CPU,
-``tests/kernels/test_bridge_glue.py`` runs it with NumPy playing CuPy).
+bfloat16 sum on CuPy). ``implementation="auto"`` picks this route first, as it does the
+kernels for CuPy arrays (``ARRAYATTN_AUTO_DLPACK=0`` keeps such calls on the array-API
+paths; ``tests/kernels/test_fused_gpu.py`` checks the route on a GPU; on the CPU,
+``tests/kernels/test_fused_glue.py`` runs it with NumPy playing CuPy).
 """
 
 from __future__ import annotations

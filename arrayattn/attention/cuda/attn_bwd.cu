@@ -168,16 +168,18 @@ AA_BWD_DEV bool aa_bflex_ok(const int* flex, int cur, int i, int j) {
     return ((w >> (col & 31)) & 1u) != 0u;
 #endif
 }
-// The 32 keys j0 .. j0 + 31 of query i as a word (bit c: key j0 + c takes part), j0 a
-// multiple of 32 inside the block of the pair at `cur` (KV_BLOCK % 32 == 0): a full block
-// all ones; a partial one its bit word, or with AA_FLEX_PRED the word built from 32
-// evaluations of the predicate.
+// aa_bflex_ok for the 32 keys j0 .. j0 + 31 of query i at once (bit c: key j0 + c), j0 at a
+// 32-key boundary of its block (KV_BLOCK % 32 == 0): all ones for a full block. For kernels
+// whose thread tests several keys of one row (v4: one load per row instead of per element);
+// like aa_bflex_ok, the only reader of a partial block's bits. With AA_FLEX_PRED (a
+// built-in mask_mod) the word is built from 32 evaluations of the predicate.
 AA_BWD_DEV aa_u32 aa_bflex_word(const int* flex, int cur, int i, int j0) {
     const int pid = flex[cur + 1];
-    if (pid < 0) return 0xffffffffu;
+    if (pid < 0) return ~0u;
 #ifdef AA_FLEX_PRED
+    // (a rolled loop: 32 inlined copies of the predicate made v4's D = 128 kernel spill)
     aa_u32 w = 0u;
-#pragma unroll
+#pragma unroll 1
     for (int c = 0; c < 32; ++c) w |= (aa_flex_pred(flex, pid, i, j0 + c) ? 1u : 0u) << c;
     return w;
 #else
@@ -187,6 +189,8 @@ AA_BWD_DEV aa_u32 aa_bflex_word(const int* flex, int cur, int i, int j0) {
     return bits[((long long)pid * qb + i % qb) * flex[AA_BF_WPR] + (col >> 5)];
 #endif
 }
+// Whether the block of the pair at `cur` is a full one (every pair allowed: no bits to read).
+AA_BWD_DEV bool aa_bflex_full(const int* flex, int cur) { return flex[cur + 1] < 0; }
 // The first (head g >= the given g, query tile) step of a dK/dV block of key block c0 in
 // its group's flattened sequence: the first tile of [begin, hi) listed for head hk * G + g;
 // g = G and hi when no head has one.

@@ -33,8 +33,16 @@
 // path; shared-memory operands are addressed by 32-bit offsets (AaS4). Every dK/dV MMA
 // accumulates in v2's order (query chunks of 16 ascending, the GQA group's heads
 // ascending; S^T/dP^T over the head dim ascending) on the same 16-bit operands, so in
-// deterministic mode dK/dV are v2's bits (the dQ kernel is v2's). No block masks (FLEX):
-// backward.flex_plan gives v2's for v4.
+// deterministic mode dK/dV are v2's bits (the dQ kernel is v2's).
+//
+// Block masks (FLEX = true, as v2's aa_bwd_dkdv_mma2<..., true>): the block walks its key
+// block's transposed list (aa_bflex_krow / _first / _step / _peek / _seek), so empty query
+// blocks cost nothing; a full block's steps take the plain path when no other option
+// applies; a partial block's steps read one 32-bit word of bits per (query row, warp)
+// through aa_bflex_word (a warp's TK = 32 keys of S^T are one word of a row), ANDed where
+// v2 ANDs aa_bflex_ok. The steps, their order and every sum are v2 FLEX's: deterministic
+// dK/dV are v2 FLEX's bits; the dQ kernel is v2's FLEX one, or the atomic dQ below (dS is
+// 0 where the mask disallows).
 // =======================================================================================
 
 // ldmatrix from a 32-bit shared-memory byte address (AaS4): the operand addresses are then
@@ -104,7 +112,7 @@ struct AaBwdMma4Smem {
         (2 * BN * (HD + 8) + 4 * BM * (HD + 8) + 2 * BN * (BM + 8)) * 2 + 4 * BM * 4;
 };
 
-template <typename T, int HD, int BM, int BN, int WK, int TQS>
+template <typename T, int HD, int BM, int BN, int WK, int TQS, bool FLEX = false>
 __global__ void __launch_bounds__(256, 1)
 aa_bwd_dkdv_mma4(AA_BWD_ARGS(typename AaIO<T>::type, float),
                  typename AaIO<T>::type* __restrict__ dk, typename AaIO<T>::type* __restrict__ dv,
@@ -131,6 +139,7 @@ aa_bwd_dkdv_mma4(AA_BWD_ARGS(typename AaIO<T>::type, float),
                   "S^T warp tiling");
     static_assert(NW % WKV == 0 && TD % 16 == 0, "dK/dV warp tiling");
     static_assert(NW % WQ3 == 0 && TD3 % 16 == 0, "dQ warp tiling");
+    static_assert(!FLEX || TK == 32, "FLEX: a warp's keys are one 32-bit word of a mask row");
     AA_BWD_SMEM(aa_smem);
     typedef unsigned short H;
     H* sK = reinterpret_cast<H*>(aa_smem);
@@ -184,14 +193,20 @@ aa_bwd_dkdv_mma4(AA_BWD_ARGS(typename AaIO<T>::type, float),
     aa_row_range(c0, min(c0 + BN, seq.k_len), seq.offset, left, right, seq.q_len, lo, hi);
     const int mfirst = hi > lo ? (lo / BM) * BM : hi;
 
-    // Prologue: K, V and the first step's Q, dO, stats in one commit group.
+    // Prologue: K, V and the first step's Q, dO, stats in one commit group. (FLEX: the
+    // first step is the first listed query tile of the first head that has one.)
     aa4_async_tile<HD, BN, NT>(sK, k + kv_head * S * E, c0, S, E);
     aa4_async_tile<HD, BN, NT>(sV, v + kv_head * S * Ev, c0, S, Ev);
-    if (mfirst < hi) {
-        const long long qh = (long long)b * Hq + hk * G;
-        aa4_async_tile<HD, BM, NT>(sQ0, q + qh * L * E, mfirst, L, E);
-        aa4_async_tile<HD, BM, NT>(sdO0, dout + qh * L * Ev, mfirst, L, Ev);
-        aa_bwd_async_stats<BM, NT>(sL0, sD0, lse2 + qh * L, delta + qh * L, mfirst, seq.q_len);
+    {
+        int g1 = 0;
+        int m1 = mfirst;
+        if constexpr (FLEX) m1 = aa_bflex_seek(flex, b, hk, G, c0, mfirst, hi, g1);
+        if (m1 < hi) {
+            const long long qh = (long long)b * Hq + hk * G + g1;
+            aa4_async_tile<HD, BM, NT>(sQ0, q + qh * L * E, m1, L, E);
+            aa4_async_tile<HD, BM, NT>(sdO0, dout + qh * L * Ev, m1, L, Ev);
+            aa_bwd_async_stats<BM, NT>(sL0, sD0, lse2 + qh * L, delta + qh * L, m1, seq.q_len);
+        }
     }
     aa_bwd_cp_commit();
 
@@ -210,16 +225,30 @@ aa_bwd_dkdv_mma4(AA_BWD_ARGS(typename AaIO<T>::type, float),
         const float slope = alibi ? alibi[qh] : 0.f;
         const AaDropState drop = aa_drop_prefix(seed, b, h);
         const long long m_base = (long long)b * m_sb + (long long)h * m_sh;
-        for (int m0 = mfirst; m0 < hi; m0 += BM, stage ^= 1) {
+        int m0 = mfirst;
+        int fcur = 0;  // FLEX: the transposed list's pair of m0's query block
+        if constexpr (FLEX) {
+            fcur = aa_bflex_krow(flex, b, h, c0);
+            m0 = aa_bflex_first(flex, fcur, flex[AA_BF_QB], mfirst, hi);
+        }
+        for (; m0 < hi; m0 = FLEX ? aa_bflex_step(flex, fcur, flex[AA_BF_QB], m0, BM, hi)
+                                  : m0 + BM,
+                        stage ^= 1) {
             // As v2: this thread's copies of this step landed; the barrier makes everyone's
             // visible and tells that every thread left the previous step, whose buffers
             // (the other stage, P^T and dS^T) may now be overwritten.
             aa_bwd_cp_wait_all();
             __syncthreads();
             {
-                int nm0 = m0 + BM;
+                // The next step: the next query block, or the next head's first (FLEX: the
+                // next listed one, or the next head's first listed one).
+                int nm0 = FLEX ? aa_bflex_peek(flex, fcur, flex[AA_BF_QB], m0, BM, hi) : m0 + BM;
                 int ng = g;
-                if (nm0 >= hi) { nm0 = mfirst; ++ng; }
+                if (nm0 >= hi) {
+                    nm0 = mfirst;
+                    ++ng;
+                    if constexpr (FLEX) nm0 = aa_bflex_seek(flex, b, hk, G, c0, mfirst, hi, ng);
+                }
                 if (ng < G) {
                     const long long nqh = (long long)b * Hq + hk * G + ng;
                     const int ns = stage ^ 1;
@@ -240,8 +269,10 @@ aa_bwd_dkdv_mma4(AA_BWD_ARGS(typename AaIO<T>::type, float),
 
             const bool full =
                 aa_block_full(m0, m0 + BM, c0, c0 + BN, seq.offset, left, right, seq.k_len);
-            const bool plain = full && !dropout && !(softcap > 0.f) && mask == nullptr &&
-                               alibi == nullptr;
+            // (FLEX: a full mask block's steps too; a partial block's read its bits)
+            const bool fwhole = !FLEX || aa_bflex_full(flex, fcur);
+            const bool plain = full && fwhole && !dropout && !(softcap > 0.f) &&
+                               mask == nullptr && alibi == nullptr;
 
             // ---- S^T and dP^T for this warp's (TK keys x TQ queries), TQS at a time ----
 #pragma unroll 1
@@ -297,6 +328,18 @@ aa_bwd_dkdv_mma4(AA_BWD_ARGS(typename AaIO<T>::type, float),
                                 acc_s[mi][t][r] = p;
                             }
                 } else {
+                    // FLEX: this thread's rows' words of the warp's 32 keys (bit key - wk * TK;
+                    // all ones in a full block), one load per row for its 2 * MK * 2 elements.
+                    aa_u32 fw[TQS / 8][2];
+#pragma unroll
+                    for (int t = 0; t < TQS / 8; ++t)
+#pragma unroll
+                        for (int rr = 0; rr < 2; ++rr)
+                            fw[t][rr] = FLEX && !fwhole
+                                            ? aa_bflex_word(flex, fcur,
+                                                            m0 + q0 + t * 8 + 2 * (lane % 4) + rr,
+                                                            c0 + wk * TK)
+                                            : ~0u;
 #pragma unroll
                     for (int mi = 0; mi < MK; ++mi) {
 #pragma unroll
@@ -310,7 +353,8 @@ aa_bwd_dkdv_mma4(AA_BWD_ARGS(typename AaIO<T>::type, float),
                                 const bool allowed =
                                     (full ||
                                      aa_allowed(i, j, seq.offset, left, right, seq.k_len)) &&
-                                    aa_bwd_mask_ok(mask, m_base, m_sr, m_sc, i, j, L);
+                                    aa_bwd_mask_ok(mask, m_base, m_sr, m_sc, i, j, L) &&
+                                    (!FLEX || ((fw[t][r % 2] >> (key - wk * TK)) & 1u) != 0u);
                                 bool keep = true;
                                 if (dropout)
                                     keep = aa_drop_keep(aa_drop_bits_rc(aa_drop_row(drop, i), j),

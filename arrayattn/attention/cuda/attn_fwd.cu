@@ -739,7 +739,7 @@ __global__ void __launch_bounds__(AaTcCfg<D, MT>::NT, AaTcCfg<D, MT>::MIN_BLOCKS
 // Tensor-core kernel, variant 2 (float16 / bfloat16): ARRAYATTN_FWD_VARIANT=v2 (tiles.py)
 // ---------------------------------------------------------------------------------------
 // The same algorithm and argument list as aa_fwd_tc, reshaped for issue rate:
-// - 128 x 64 tiles (4 warps x 32 query rows, MT = 2; 64 keys per tile at D = 64 and
+// - 128 x 64 tiles (4 warps x 32 query rows, MT = 2; 64 keys per tile at D = 64, 96 and
 //   128): the row-max shuffles, the O rescale and the barrier are paid every 64 keys
 //   instead of every 32 (aa_fwd_tc at D >= 96).
 // - K/V copy addresses advance by a fixed stride per thread (aa_tile_async_rows), not a
@@ -758,8 +758,11 @@ __global__ void __launch_bounds__(AaTcCfg<D, MT>::NT, AaTcCfg<D, MT>::MIN_BLOCKS
 // - ALiBi is a template flag (the alibi pointer must be non-null exactly when it is set),
 //   like softcap and the mask kind, so none of their code exists in the plain variant.
 // Dropout is not supported here (register budget at MT = 2 with 64-key tiles); the host
-// runs aa_fwd_tc for dropout, for D other than 64 and 128, and for softcap, dense masks
-// and ALiBi at D = 128, which spill here (tiles.v2_declines).
+// runs aa_fwd_tc for dropout, for D other than 64, 96 and 128 (96 only behind
+// ARRAYATTN_FWD_TC2_D96=1 until measured), and for softcap, dense masks and ALiBi at
+// D = 96 and 128, which spill here (tiles.v2_declines). D = 96 is 6 k-steps of 16 and 12
+// O n-tiles; its smem pitch (104 halves, 13 16-byte chunks, odd) keeps ldmatrix
+// conflict-free, and K/V rows are copied by 96 of the 128 threads (aa_tile_async_rows).
 // The keys row i may see, [jlo, jhi] (i < q_len and aa_allowed; every key j >= 0), as an
 // unsigned range test: key j0 + k is allowed <=> base + k <= span (unsigned), with
 // base = j0 - jlo and span = jhi - jlo. For 0 <= jlo <= jhi < 2**31 and 0 <= j < 2**31 the
@@ -780,17 +783,24 @@ AA_DEV void aa_row_keys(int i, int q_len, int offset, int left, int right, int k
     span = (aa_u32)jhi - (aa_u32)jlo;
 }
 
-// aa_tile_async for v2's K/V tiles with the thread's chunk geometry hoisted: NT is a
-// multiple of D / 8, so thread tid copies column chunk tid % (D / 8) of rows
-// tid / (D / 8) + it * (NT / (D / 8)), and the source pointer advances by a fixed stride
-// (no 64-bit multiply per chunk, which made address arithmetic about a quarter of v1's
-// main loop). Rows >= nvalid are zero-filled from `safe`, as in aa_tile_async.
+// aa_tile_async for v2's K/V tiles with the thread's chunk geometry hoisted: the first
+// CT = RSTEP * (D / 8) threads copy whole rows, RSTEP (the largest power of two <=
+// NT / (D / 8), so that it divides R) per pass: thread tid copies column chunk
+// tid % (D / 8) of rows tid / (D / 8) + it * RSTEP, and the source pointer advances by a
+// fixed stride (no 64-bit multiply per chunk, which made address arithmetic about a
+// quarter of v1's main loop). CT = NT at D = 64 and 128. At D = 96 (12 chunks a row) 96
+// threads (warps 0-2, so the test is warp-uniform) copy 8 rows a pass and warp 3 none: the alternative, every thread with a geometry that repeats every 3 passes, held
+// three source pointers per operand and spilled the block-mask variant at 255 registers.
+// Rows >= nvalid are zero-filled from `safe`, as in aa_tile_async.
 template <int R, int D, int DP, int NT>
 AA_DEV void aa_tile_async_rows(aa_u32 sbase, const unsigned short* g, long long rs, int nvalid,
                                const unsigned short* safe, int tid) {
     constexpr int CPR = D / 8;
-    static_assert(NT % CPR == 0 && (R * CPR) % NT == 0, "whole rows per pass");
-    constexpr int RSTEP = NT / CPR, ITERS = R * CPR / NT;
+    constexpr int RMAX = NT / CPR;
+    constexpr int RSTEP = RMAX >= 32 ? 32 : RMAX >= 16 ? 16 : RMAX >= 8 ? 8 : RMAX >= 4 ? 4 : RMAX;
+    constexpr int CT = RSTEP * CPR, ITERS = R / RSTEP;
+    static_assert(RSTEP > 0 && R % RSTEP == 0, "whole rows per pass");
+    if (CT < NT && tid >= CT) return;
     const int row0 = tid / CPR, kc = tid - row0 * CPR;
     const unsigned short* p = g + row0 * rs + kc * 8;
     const long long step = RSTEP * rs;

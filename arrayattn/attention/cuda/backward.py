@@ -39,10 +39,17 @@ v2's order: deterministic gradients are v2's bits. ``v4`` (``attn_bwd_v4.cu``:
 warps as FlashAttention-2's backward does (S^T/dP^T by (keys x queries) warp tiles, P^T and
 dS^T through shared memory, dK/dV by 32-key warp slices, dQ by 32-row warp slices), at
 padded head dims 64 and 128 (float16/bfloat16, ``E``/``Ev`` multiples of 8), every option
-of v2 but block masks (``flex_plan`` gives v2's), with v2's deterministic dQ kernel; its
-dK/dV sums run in v2's order (deterministic gradients are v2's bits); elsewhere ``v4`` runs
+of v2, block masks included (its ``FLEX`` instantiation, see below), with v2's
+deterministic dQ kernel; its dK/dV sums run in v2's order (deterministic gradients are
+v2's bits; block masks run it only under an explicit ``ARRAYATTN_BWD_VARIANT=v4``
+until it has been measured on a GPU, see below); elsewhere ``v4`` runs
 v2's plan (or v1's), as it does on a device whose blocks cannot have its 173-178 KB of
-shared memory (pre-Hopper parts). See ``bench/BACKWARD_KERNEL_NOTES.md``.
+shared memory (pre-Hopper parts). Head dim 256 in float16/bfloat16 runs the CUDA-core
+kernels unless ``ARRAYATTN_BWD_D256_TC`` is ``1``/``64`` or ``32`` (opt-in until measured
+on a GPU, :data:`D256_TC_ENV`): then, under ``v4``, ``aa_bwd_dkdv_mma4`` at head dim 256
+(64-key blocks, 64- or 32-row query steps) and v2's deterministic dQ kernel run it on
+tensor cores (``E``/``Ev`` multiples of 8; block masks stay on the CUDA cores). See
+``bench/BACKWARD_KERNEL_NOTES.md``.
 
 **What runs in the kernels** (:func:`declines` gives the reason for anything else): CuPy
 arrays of float16 and bfloat16 (tensor cores, ``mma.sync`` m16n8k16, head dims up to 128;
@@ -65,11 +72,18 @@ instantiations with a last template argument ``true`` (:func:`flex_plan`) read t
 table of ``flex_table.py`` (cached on the ``BlockMask``, shared with the forward): the dQ
 kernel walks per query block the forward's list of non-empty key blocks, the dK/dV kernel
 per key block the transposed list (the non-empty query blocks), and partial blocks' bits
-are ANDed where the dense bool mask is. v2's kernels (float16/bfloat16 at head dims 64 and
-128) and the CUDA-core kernels (float32/float64, and 16-bit at head dim 256) have them,
-deterministic mode included; v3 and v4 run v2's, v1's tensor-core kernels decline (the array-API
-backward runs those calls). No score_mod (declined), and each kernel tile must lie inside
-one mask block (``flex_table.backward_tiles_fit``).
+are ANDed where the dense bool mask is. v4's dK/dV kernel (float16/bfloat16 at head dims 64
+and 128; its partial blocks' bits a 32-key word per row through ``aa_bflex_word``, full
+blocks on its plain path), v2's kernels and the CUDA-core kernels (float32/float64, and
+16-bit at head dim 256) have them, deterministic mode included (v4 beside v2's FLEX dQ
+kernel: v2 FLEX's bits); v3 runs v2's, v1's tensor-core kernels decline (the array-API
+backward runs those calls). Which variant runs block masks: ``ARRAYATTN_BWD_VARIANT`` when
+set (``=v2`` against ``=v4`` is the A/B), else :data:`FLEX_DEFAULT_VARIANT` (``v2``: v4's
+FLEX kernel was prepared on the CPU and becomes the default only after a GPU
+measurement). No score_mod (declined), and each kernel tile must lie inside one mask block
+(``flex_table.backward_tiles_fit``); v4's query steps (128 rows at head dim 64) need a
+larger ``Q_BLOCK`` than v2's (64), so a block mask that v4's tiles do not fit but v2's do
+runs v2's FLEX kernels (:func:`flex_plan_for`).
 """
 
 from __future__ import annotations
@@ -118,9 +132,14 @@ __all__ = [
     "VARIANTS",
     "bwd_variant",
     "flex_plan",
+    "flex_plan_for",
+    "flex_bwd_variant",
+    "FLEX_DEFAULT_VARIANT",
     "flex_declines",
     "flex_kernels_enabled",
     "FLEX_ENV",
+    "D256_TC_ENV",
+    "d256_tc_rows",
 ]
 
 SOURCE = "attn_bwd.cu"
@@ -160,6 +179,40 @@ _V4_TILES = {64: (128, 128, 4, 32), 128: (64, 128, 4, 16)}
 """v4's ``aa_bwd_dkdv_mma4`` tiles per head dim: (query rows per step BM, keys per block BN,
 warps along the keys of S^T WK, register sub-step of each warp's queries TQS); the largest
 that compile without spills on sm_90 (D = 64: 248 registers, D = 128: 255)."""
+
+_V4_D256_TILES = {64: (64, 64, 4, 16), 32: (32, 64, 4, 16)}
+"""v4's ``aa_bwd_dkdv_mma4`` tiles at padded head dim 256 (16-bit, opt-in: :data:`D256_TC_ENV`),
+keyed by the query rows per step BM: (BM, BN, WK, TQS) as :data:`_V4_TILES`. 64 keys per
+block (each warp's 32-key x 64-dim slices of dK and dV: 128 accumulator registers, as v4 at
+D = 128). sm_90: BM = 64 255 registers and 222208 bytes of shared memory, BM = 32 236 and
+145920; no spill, one block (8 warps) per SM either way."""
+_D256_DQ_TILES = (4, 32)
+"""v2's deterministic ``aa_bwd_dq_mma2`` at head dim 256: (warps, keys per step); 64 query
+rows per block, 242 registers on sm_90, no spill."""
+
+D256_TC_ENV = "ARRAYATTN_BWD_D256_TC"
+"""Tensor cores for the float16/bfloat16 backward at padded head dim 256 (``E``, ``Ev`` in
+(128, 256], multiples of 8) under variant ``v4``: ``1`` or ``64`` (64-row query steps) or
+``32`` (32-row steps) run ``aa_bwd_dkdv_mma4`` there (and v2's ``aa_bwd_dq_mma2`` in
+deterministic mode); unset, empty or ``0`` keep the CUDA-core kernels, the default until a
+GPU measurement says otherwise. Read at each call."""
+
+
+def d256_tc_rows() -> int | None:
+    """The query rows per step :data:`D256_TC_ENV` asks for at head dim 256 (64 or 32), or
+    ``None`` (off: the CUDA-core kernels); ``ValueError`` for any other value.
+
+    Examples:
+        >>> d256_tc_rows() in (None, 32, 64)
+        True
+    """
+    raw = os.environ.get(D256_TC_ENV, "").strip()
+    if raw in ("", "0"):
+        return None
+    if raw in ("1", "64", "32"):
+        return 32 if raw == "32" else 64
+    raise ValueError(f"{D256_TC_ENV} must be 0, 1, 64 or 32, got {raw!r}")
+
 
 _DETERMINISTIC: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "arrayattn_deterministic",
@@ -208,20 +261,34 @@ def deterministic(flag: bool = True) -> Iterator[None]:
 
 
 # -- kernel variants and launch shapes ----------------------------------------------------------
-def bwd_variant() -> str:
-    """The backward kernel variant ``ARRAYATTN_BWD_VARIANT`` names (:data:`DEFAULT_VARIANT`
-    when unset or empty), read at each call so a benchmark can switch it between runs.
+def bwd_variant(default: str = DEFAULT_VARIANT) -> str:
+    """The backward kernel variant ``ARRAYATTN_BWD_VARIANT`` names (``default``,
+    :data:`DEFAULT_VARIANT` unless given, when unset or empty), read at each call so a
+    benchmark can switch it between runs.
 
     Raises ``ValueError`` for any other value.
 
     Examples:
-        >>> bwd_variant() in VARIANTS  # "v2" unless the environment names "v1"
+        >>> bwd_variant() in VARIANTS  # "v4" unless the environment names another
         True
     """
-    raw = os.environ.get("ARRAYATTN_BWD_VARIANT", "").strip().lower() or DEFAULT_VARIANT
+    raw = os.environ.get("ARRAYATTN_BWD_VARIANT", "").strip().lower() or default
     if raw not in VARIANTS:
         raise ValueError(f"ARRAYATTN_BWD_VARIANT must be one of {VARIANTS}, got {raw!r}")
     return raw
+
+
+FLEX_DEFAULT_VARIANT = "v2"
+"""The block-mask backward's variant when ``ARRAYATTN_BWD_VARIANT`` is unset: ``v2``'s FLEX
+kernels, which ran on an H100, until v4's FLEX dK/dV kernel (prepared on the CPU,
+2026-11-26) has been measured on a GPU; ``ARRAYATTN_BWD_VARIANT=v4`` selects it (the A/B:
+``=v2`` against ``=v4``, ``bench/gpu_first_contact.sh``'s ``ab_flex`` stage)."""
+
+
+def flex_bwd_variant() -> str:
+    """The variant :func:`flex_plan` runs block masks with when given none:
+    ``ARRAYATTN_BWD_VARIANT``, else :data:`FLEX_DEFAULT_VARIANT` (read at each call)."""
+    return bwd_variant(FLEX_DEFAULT_VARIANT)
 
 
 @dataclass(frozen=True)
@@ -332,6 +399,37 @@ def _plan_v4(kind: str, d: int) -> BackwardPlan:
     )
 
 
+def _plan_v4_d256(kind: str, bm: int) -> BackwardPlan:
+    """The tensor-core plan at padded head dim 256 (:data:`D256_TC_ENV`): v4's
+    ``aa_bwd_dkdv_mma4`` with BM-row query steps over 64-key blocks (:data:`_V4_D256_TILES`)
+    and v2's deterministic ``aa_bwd_dq_mma2`` (:data:`_D256_DQ_TILES`)."""
+    t, _ = _KIND_TYPES[kind]
+    d = 256
+    bm, bn, wk, tqs = _V4_D256_TILES[bm]
+    qnw, qbn = _D256_DQ_TILES
+    pitch, qbm = d + 8, 16 * qnw
+    return BackwardPlan(
+        kind=kind,
+        head_dim=d,
+        tensor_cores=True,
+        preprocess=f"aa_bwd_preprocess<{t}, float>",
+        dkdv=f"aa_bwd_dkdv_mma4<{t}, {d}, {bm}, {bn}, {wk}, {tqs}>",
+        dkdv_threads=256,
+        dkdv_block_n=bn,
+        dkdv_block_m=bm,
+        # K, V; two stages of Q, dO; P^T, dS^T; two stages of lse2, delta (AaBwdMma4Smem)
+        dkdv_smem=(2 * bn * pitch + 4 * bm * pitch + 2 * bn * (bm + 8)) * 2 + 4 * bm * 4,
+        dq=f"aa_bwd_dq_mma2<{t}, {d}, {qnw}, {qbn}>",
+        dq_threads=32 * qnw,
+        dq_block_m=qbm,
+        dq_block_n=qbn,
+        # Q, dO; two stages of K, V; lse2, delta (AaBwdDqMma2Smem)
+        dq_smem=(2 * qbm * pitch + 4 * qbn * pitch) * 2 + 2 * qbm * 4,
+        convert=f"aa_bwd_convert<{t}, float>",
+        variant="v4",
+    )
+
+
 def backward_plan(kind: str, e: int, ev: int, variant: str | None = None) -> BackwardPlan | None:
     """The backward kernels for dtype ``kind`` and head dims ``e`` (query/key) and ``ev``
     (value), or ``None`` when no variant holds them (both above 256). ``variant``
@@ -375,6 +473,12 @@ def backward_plan(kind: str, e: int, ev: int, variant: str | None = None) -> Bac
             return _plan_v4(kind, d)
         if variant in ("v2", "v3", "v4") and d in _V2_HEAD_DIMS and aligned:
             return _plan_v2(kind, d)
+        # Head dim 256 on tensor cores: opt-in under v4 (ARRAYATTN_BWD_D256_TC), since
+        # not measured on a GPU yet; otherwise the CUDA-core kernels below.
+        if variant == "v4" and d is None and need <= 256 and aligned:
+            rows = d256_tc_rows()
+            if rows is not None:
+                return _plan_v4_d256(kind, rows)
         if d is not None:
             # (warps, query rows per step): the largest tiles that compile without
             # register spills on sm_90 (D=96 spills 8 bytes; .ci/compile_kernels.py).
@@ -441,25 +545,58 @@ def _flexed(name: str) -> str:
 
 def flex_plan(kind: str, e: int, ev: int, variant: str | None = None) -> BackwardPlan | None:
     """The block-mask plan: :func:`backward_plan`'s with the dK/dV and dQ kernels' ``FLEX``
-    instantiations (v3 and v4 give v2's; v1's tensor-core kernels have none: v2's where v2 holds
-    the call, else ``None``).
+    instantiations (v3 gives v2's; v4's dK/dV kernel beside v2's dQ kernel; v1's tensor-core
+    kernels have none: v2's where v2 holds the call, else ``None``). ``variant`` ``None``:
+    :func:`flex_bwd_variant` (``ARRAYATTN_BWD_VARIANT``, else v2's until v4's FLEX kernel
+    has run on a GPU).
 
     Examples:
         >>> flex_plan("float16", 64, 64, variant="v3").dkdv
         'aa_bwd_dkdv_mma2<AaF16, 64, 8, 64, 64, true>'
+        >>> p = flex_plan("float16", 128, 128, variant="v4")
+        >>> p.dkdv
+        'aa_bwd_dkdv_mma4<AaF16, 128, 64, 128, 4, 16, true>'
+        >>> p.dq
+        'aa_bwd_dq_mma2<AaF16, 128, 4, 32, true>'
         >>> flex_plan("float32", 64, 64).dq
         'aa_bwd_dq_simt<float, float, 64, 64, 32, 256, true>'
         >>> flex_plan("float16", 96, 96) is None
         True
     """
-    plan = backward_plan(kind, e, ev, variant)
+    plan = backward_plan(kind, e, ev, flex_bwd_variant() if variant is None else variant)
     if plan is None:
         return None
-    if plan.variant in ("v3", "v4") or (plan.tensor_cores and plan.variant == "v1"):
+    if plan.variant == "v3" or (plan.tensor_cores and plan.variant == "v1"):
         plan = backward_plan(kind, e, ev, "v2")
         if plan is None or (plan.tensor_cores and plan.variant != "v2"):
             return None
     return dataclasses.replace(plan, dkdv=_flexed(plan.dkdv), dq=_flexed(plan.dq))
+
+
+def _flex_tiles(plan: BackwardPlan) -> tuple[tuple[int, int], ...]:
+    """The (query rows, keys) tiles of ``plan`` that must lie inside one mask block."""
+    return ((plan.dkdv_block_m, plan.dkdv_block_n), (plan.dq_block_m, plan.dq_block_n))
+
+
+def flex_plan_for(
+    kind: str, e: int, ev: int, bm: Any, variant: str | None = None
+) -> tuple[BackwardPlan | None, str | None]:
+    """``(plan, None)``: the :func:`flex_plan` that runs block mask ``bm`` (v4's, or v2's
+    where v4's larger query steps do not fit ``bm``'s blocks but v2's do), else
+    ``(None, why not)``."""
+    plan = flex_plan(kind, e, ev, variant)
+    if plan is None:
+        return None, (
+            f"block masks: no backward kernel reads them at {kind} E={e}, Ev={ev} "
+            "(v4's or v2's at head dims 64/128 with E, Ev multiples of 8, or the CUDA-core "
+            "kernels)"
+        )
+    reason = flex_table.backward_tiles_fit(bm, _flex_tiles(plan))
+    if reason is not None and plan.variant == "v4":
+        v2 = flex_plan(kind, e, ev, "v2")
+        if v2 is not None and flex_table.backward_tiles_fit(bm, _flex_tiles(v2)) is None:
+            return v2, None
+    return (None, f"block mask: {reason}") if reason is not None else (plan, None)
 
 
 def _all_plans() -> list[BackwardPlan]:
@@ -479,12 +616,17 @@ def _all_plans() -> list[BackwardPlan]:
             plans.append(_plan_v3(kind, d))
         for d in _V4_HEAD_DIMS:
             plans.append(_plan_v4(kind, d))
-    # block masks: the FLEX instantiations of the CUDA-core and v2 kernels
+        for bm in _V4_D256_TILES:  # head dim 256 (opt-in, ARRAYATTN_BWD_D256_TC)
+            plans.append(_plan_v4_d256(kind, bm))
+    # block masks: the FLEX instantiations of the CUDA-core, v2 and v4 kernels
     for kind in _KIND_TYPES:
         for d in _SIMT_HEAD_DIMS:
             plan = flex_plan(kind, d, d, variant="v2")
             if plan is not None:
                 plans.append(plan)
+    for kind in ("float16", "bfloat16"):
+        for d in _V4_HEAD_DIMS:
+            plans.append(flex_plan(kind, d, d, variant="v4"))  # type: ignore[arg-type]
     return plans
 
 
@@ -526,11 +668,20 @@ HOT_VARIANTS: list[str] = list(
         for name in (
             backward_plan(kind, d, d, variant).dkdv,  # type: ignore[union-attr]
             backward_plan(kind, d, d, variant).dq,  # type: ignore[union-attr]
+            flex_plan(kind, d, d, variant).dkdv,  # type: ignore[union-attr]
         )
+    )
+) + list(
+    dict.fromkeys(
+        name
+        for kind in ("float16", "bfloat16")
+        for bm in _V4_D256_TILES
+        for name in (_plan_v4_d256(kind, bm).dkdv, _plan_v4_d256(kind, bm).dq)
     )
 )
 """The variants the compile check fails on when they spill: float16/bfloat16 at D = 64, 128,
-of every variant."""
+of every variant, their block-mask (FLEX) dK/dV kernels, and the opt-in tensor-core kernels
+at D = 256."""
 
 
 # -- the block schedule, mirrored from attn_bwd.cu for the host and the CPU tests -----------------
@@ -738,15 +889,7 @@ def flex_declines(spec: AttentionSpec) -> str | None:
         return "a block mask in a block of a larger call (the Dask path's tasks)"
     kind = kernel_kind(spec)
     assert kind is not None
-    plan = flex_plan(kind, spec.E, spec.Ev)
-    if plan is None:
-        return (
-            f"block masks: no backward kernel reads them at {kind} E={spec.E}, Ev={spec.Ev} "
-            "(v2's at head dims 64/128 with E, Ev multiples of 8, or the CUDA-core kernels)"
-        )
-    tiles = ((plan.dkdv_block_m, plan.dkdv_block_n), (plan.dq_block_m, plan.dq_block_n))
-    reason = flex_table.backward_tiles_fit(spec.block_mask, tiles)
-    return None if reason is None else f"block mask: {reason}"
+    return flex_plan_for(kind, spec.E, spec.Ev, spec.block_mask)[1]
 
 
 def _full(
@@ -849,10 +992,11 @@ def backward(
     assert kind is not None  # declines() refuses a dtype without kernels
     plan = backward_plan(kind, spec.E, spec.Ev, bwd_variant())
     if spec.flex:  # declines() checked the block mask, the plan and its tiles
-        plan = flex_plan(kind, spec.E, spec.Ev)
+        plan = flex_plan_for(kind, spec.E, spec.Ev, spec.block_mask)[0]
     assert plan is not None  # declines() refuses head dims no variant holds
     if plan.variant == "v4" and plan.dkdv_smem > _max_smem(device_index(spec)):
-        plan = backward_plan(kind, spec.E, spec.Ev, "v2")  # v4's 173-178 KB: Hopper-sized
+        # v4's 173-178 KB: Hopper-sized. (v2's tiles fit any block mask v4's fit.)
+        plan = (flex_plan if spec.flex else backward_plan)(kind, spec.E, spec.Ev, "v2")
         assert plan is not None
     B, Hq, Hkv, L, S, E, Ev = (spec.batch_size, spec.Hq, spec.Hkv, spec.L, spec.S, spec.E, spec.Ev)
     if B == 0 or Hq == 0 or L == 0 or S == 0 or E == 0 and Ev == 0:

@@ -197,7 +197,8 @@ def compile_variants() -> dict[str, list[str]]:
     """Source file -> one block-mask instantiation per kernel family, compiled with
     :func:`sample_prelude` by the compile checks: the forward's v1 (``aa_fwd_tc``), v2
     (``aa_fwd_tc2``), v3 (``aa_fwd_tf32``) and CUDA-core (``aa_fwd_simt``) kernels, the
-    backward's v2 (``mma2``) and CUDA-core (``simt``) dK/dV and dQ kernels."""
+    backward's v2 (``mma2``) and CUDA-core (``simt``) dK/dV and dQ kernels, and v4's
+    (``mma4``) dK/dV kernel."""
     from .backward import flex_plan
     from .tiles import forward_kernel_name, forward_kernel_name_tf32
 
@@ -209,7 +210,12 @@ def compile_variants() -> dict[str, list[str]]:
     ]
     bwd: list[str] = []
     for kind, d in (("float16", 64), ("float16", 128), ("float32", 64)):
-        plan = flex_plan(kind, d, d)
+        plan = flex_plan(kind, d, d, "v2")
         assert plan is not None
         bwd += [plan.dkdv, plan.dq]
-    return {"attn_fwd.cu": fwd, "attn_bwd.cu": bwd}
+    v4: list[str] = []  # v4's FLEX dK/dV kernel (its words: aa_bflex_word)
+    for d in (64, 128):
+        plan = flex_plan("float16", d, d, "v4")
+        assert plan is not None
+        v4.append(plan.dkdv)
+    return {"attn_fwd.cu": fwd, "attn_bwd.cu": bwd, "attn_bwd_v4.cu": v4}

@@ -55,6 +55,7 @@ chunked array-API backward for large score matrices, else the composed one.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -91,13 +92,15 @@ row or column the kernel fails to write shows up in the result."""
 
 
 def auto_declines(spec: AttentionSpec) -> str | None:
-    """What ``implementation="auto"`` adds: CuPy arrays only. PyTorch CUDA tensors and JAX
-    GPU arrays reach the kernels (through DLPack) when ``implementation="fused"`` is
-    named; ``"auto"`` keeps them on the array-API paths until that route has run on a
-    GPU."""
-    if not is_cupy(spec.xp):
-        return f"{library_name(spec.xp)} arrays reach the fused kernels only when named"
-    return None
+    """What ``implementation="auto"`` adds: nothing beyond :func:`declines`. CuPy arrays,
+    PyTorch CUDA tensors (not recording gradients) and JAX GPU arrays (outside tracing)
+    all run the kernels under ``"auto"``, the latter two through DLPack
+    (``tests/kernels/test_fused_gpu.py`` checks the route on a GPU). Set
+    ``ARRAYATTN_AUTO_DLPACK=0`` to keep PyTorch and JAX arrays on the array-API paths
+    under ``"auto"``."""
+    if is_cupy(spec.xp) or os.environ.get("ARRAYATTN_AUTO_DLPACK", "1") != "0":
+        return None
+    return f"{library_name(spec.xp)} arrays reach the fused kernels only when named"
 
 
 def declines(spec: AttentionSpec) -> str | None:

@@ -27,6 +27,9 @@ __all__ = [
     "FWD_VARIANTS",
     "V2_HEAD_DIMS",
     "V2_FEATURE_HEAD_DIMS",
+    "V2_OPT_IN_HEAD_DIMS",
+    "TC2_D96_ENV",
+    "v2_head_dims",
     "ForwardLaunch",
     "forward_variant",
     "v2_declines",
@@ -208,9 +211,30 @@ default: v2, and float32 on tensor cores through ``aa_fwd_tf32``, three TF32 pro
 per product)."""
 
 V2_HEAD_DIMS = (64, 128)
-"""Head dims ``aa_fwd_tc2`` is instantiated for. D = 32, 96 and 256 stay on v1: at D = 96
-a row is 12 16-byte chunks, which 128 threads do not split into whole rows (v2's K/V copy
-relies on it), and an earlier build spilled there; D = 32 and 256 are not the target."""
+"""Head dims ``aa_fwd_tc2`` serves by default. D = 32 and 256 stay on v1 (not the target);
+D = 96 is instantiated too (:data:`V2_OPT_IN_HEAD_DIMS`) but runs on v2 only when
+``ARRAYATTN_FWD_TC2_D96=1``, until a GPU measurement says it is faster than v1 there."""
+
+V2_OPT_IN_HEAD_DIMS = (96,)
+"""Head dims ``aa_fwd_tc2`` is instantiated for that v2 serves only behind
+:data:`TC2_D96_ENV`: D = 96 (128 x 64 tiles, 244 registers and no spill on sm_90; v1 runs
+it with 32-key tiles). A row is 12 16-byte chunks, which 128 threads do not split into
+whole rows, so 96 of them copy K and V (``aa_tile_async_rows``)."""
+
+TC2_D96_ENV = "ARRAYATTN_FWD_TC2_D96"
+"""``1``: 16-bit D = 96 calls of variants v2/v3 run ``aa_fwd_tc2`` (64-key tiles);
+unset, empty or ``0``: v1's ``aa_fwd_tc`` (32-key tiles) as before. Off by default: not
+measured on a GPU yet."""
+
+
+def v2_head_dims() -> tuple[int, ...]:
+    """The head dims v2 serves now: :data:`V2_HEAD_DIMS`, plus D = 96 when
+    :data:`TC2_D96_ENV` is ``1``; ``ValueError`` for a value other than ``0``/``1``/empty."""
+    env = os.environ.get(TC2_D96_ENV, "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"{TC2_D96_ENV} must be 0 or 1, got {env!r}")
+    return V2_HEAD_DIMS + V2_OPT_IN_HEAD_DIMS if env == "1" else V2_HEAD_DIMS
+
 
 V2_FEATURE_HEAD_DIMS = (64,)
 """Head dims where v2 also runs softcap, dense masks and ALiBi (at D = 128 those variants
@@ -260,7 +284,8 @@ def v2_declines(
     alibi: bool = False,
 ) -> str | None:
     """``None`` when ``aa_fwd_tc2`` serves the call, else why ``aa_fwd_tc`` (v1) does:
-    float32/float64 (CUDA-core kernels), head dims other than :data:`V2_HEAD_DIMS`,
+    float32/float64 (CUDA-core kernels), head dims other than :func:`v2_head_dims`
+    (:data:`V2_HEAD_DIMS`, and D = 96 under ``ARRAYATTN_FWD_TC2_D96=1``),
     dropout (the hash per element does not fit the register budget of 32 rows x 64 keys
     per warp), softcap / dense masks / ALiBi above D = 64 (:data:`V2_FEATURE_HEAD_DIMS`;
     they spill), and a scale that is not positive (v2 takes the row
@@ -269,8 +294,9 @@ def v2_declines(
     ``arrayattn.flex``) run on v2 at every v2 head dim."""
     if kind not in ("float16", "bfloat16"):
         return f"v2 is a tensor-core kernel (float16/bfloat16), not {kind}"
-    if d not in V2_HEAD_DIMS:
-        return f"v2 is instantiated for head dims {V2_HEAD_DIMS}, not {d}"
+    dims = v2_head_dims()
+    if d not in dims:
+        return f"v2 serves head dims {dims} ({TC2_D96_ENV}=1 adds 96), not {d}"
     if dropout:
         return "v2 has no dropout (register budget); v1 runs it"
     if (softcap or mask_kind & 3 or alibi) and d not in V2_FEATURE_HEAD_DIMS:
@@ -287,9 +313,12 @@ def tile_config_v2(d: int) -> TileConfig:
     Examples:
         >>> tile_config_v2(128)
         TileConfig(block_m=128, block_n=64, threads=128, smem_bytes=104448)
+        >>> tile_config_v2(96).smem_bytes
+        79872
     """
-    if d not in V2_HEAD_DIMS:
-        raise ValueError(f"v2 head dim must be one of {V2_HEAD_DIMS}, got {d}")
+    dims = V2_HEAD_DIMS + V2_OPT_IN_HEAD_DIMS
+    if d not in dims:
+        raise ValueError(f"v2 head dim must be one of {dims}, got {d}")
     bm, bn = 128, 64
     return TileConfig(bm, bn, 128, (bm + 4 * bn) * (d + 8) * 2)
 
@@ -424,7 +453,7 @@ def _v2_variants() -> list[str]:
     out = [
         forward_kernel_name_v2(kind, d, False, 0, False)
         for kind in ("float16", "bfloat16")
-        for d in V2_HEAD_DIMS
+        for d in V2_HEAD_DIMS + V2_OPT_IN_HEAD_DIMS
     ]
     for d in V2_FEATURE_HEAD_DIMS:
         out += [
@@ -436,11 +465,11 @@ def _v2_variants() -> list[str]:
             # a block mask (arrayattn.flex) with a bool mask and every feature
             forward_kernel_name_v2("bfloat16", d, True, 5, True),
         ]
-    # block masks (arrayattn.flex; MASK 4) at every v2 head dim
+    # block masks (arrayattn.flex; MASK 4) at every v2 head dim (D = 96 opt-in included)
     out += [
         forward_kernel_name_v2(kind, d, False, 4, False)
         for kind in ("float16", "bfloat16")
-        for d in V2_HEAD_DIMS
+        for d in V2_HEAD_DIMS + V2_OPT_IN_HEAD_DIMS
     ]
     # aa_fwd_tf32 (v3, float32 on tensor cores): plain at both head dims, block masks, and
     # the features at both
@@ -460,9 +489,11 @@ COMPILE_VARIANTS: dict[str, list[str]] = {_V2_SOURCE: _v2_variants()}
 ``bench/gpu_variants.py``); v1's list is ``.ci/compile_kernels.py``'s own."""
 
 HOT_VARIANTS: list[str] = [
-    forward_kernel_name_v2(kind, d, False, 0, False)
+    forward_kernel_name_v2(kind, d, False, mk, False)
     for kind in ("float16", "bfloat16")
-    for d in V2_HEAD_DIMS
+    for d in V2_HEAD_DIMS + V2_OPT_IN_HEAD_DIMS
+    for mk in ((0, 4) if d in V2_OPT_IN_HEAD_DIMS else (0,))
 ] + [forward_kernel_name_tf32(d, False, 0, False) for d in TF32_HEAD_DIMS]
-"""v2 variants that must not spill (the plain 16-bit kernels; causal, windows and lengths
-are run-time arguments of the same instantiations)."""
+"""v2 variants that must not spill (the plain 16-bit kernels, and D = 96's block-mask ones,
+250 registers; causal, windows and lengths are run-time arguments of the same
+instantiations)."""

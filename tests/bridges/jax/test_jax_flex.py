@@ -180,6 +180,30 @@ def test_vmap_gives_each_slice_what_it_gives_alone(impl, table_mapped) -> None:
     np.testing.assert_allclose(got_t, want_t, **TOL)
 
 
+@pytest.mark.parametrize("mod", ["document", "prefix_lm"])
+def test_builtin_numpy_ids_run_traced(mod) -> None:
+    """Built-in mask_mods holding NumPy ids run on the traced path (on a GPU, 'auto' is
+    traced) with the same results and gradients as built on JAX arrays."""
+    q, k, v, _, _ = inputs(4)
+    prefix = np.array([3, 9])
+
+    def build(lib):
+        if mod == "document":
+            return doc_mask(lib(IDS))
+        return flex.prefix_lm_mask(lib(prefix))
+
+    def grads(m):
+        def loss(q, k, v):
+            out = SDPA(q, k, v, enable_gqa=True, mask_mod=m, implementation="chunked")
+            return (out**2).sum()
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    got, want = grads(build(np.asarray)), grads(build(jnp.asarray))
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, **TOL)
+
+
 def test_errors_name_what_is_wrong() -> None:
     q, k, v, table, _ = inputs(3)
     bm = flex.create_block_mask(flex.causal_mask, None, None, L, S)
@@ -192,11 +216,15 @@ def test_errors_name_what_is_wrong() -> None:
         SDPA(q, k, v, enable_gqa=True, block_mask=np.ones((L, S), bool))
     with pytest.raises(ValueError, match=r"table has 3 heads.*Hq = 4"):
         SDPA(q, k, v, enable_gqa=True, score_mod=flex.relative_position_bias(jnp.zeros((32, 3))))
-    # NumPy ids cannot be indexed by traced indices: the traced path refuses them.
+    # A user's function indexing NumPy ids cannot take traced indices: the traced path
+    # refuses it (the built-ins move their ids to JAX: test_builtin_numpy_ids_run_traced).
+    def by_numpy_ids(b, h, q_idx, kv_idx):
+        return IDS[b, q_idx] == IDS[b, kv_idx]
+
     with pytest.raises(ValueError, match=r"holds NumPy arrays.*traced path.*jnp.asarray"):
-        SDPA(q, k, v, enable_gqa=True, mask_mod=flex.document_mask(IDS), implementation="chunked")
+        SDPA(q, k, v, enable_gqa=True, mask_mod=by_numpy_ids, implementation="chunked")
     with pytest.raises(TypeError, match=r"holds NumPy arrays but .* holds JAX arrays"):
-        SDPA(q, k, v, enable_gqa=True, mask_mod=flex.document_mask(IDS),
+        SDPA(q, k, v, enable_gqa=True, mask_mod=by_numpy_ids,
              score_mod=flex.alibi_score_mod(jnp.ones(HQ)))  # fmt: skip
     with pytest.raises(ValueError, match=r"implementation='fast'.*holds JAX arrays"):
         SDPA(q, k, v, enable_gqa=True, mask_mod=flex.document_mask(jnp.asarray(IDS)),

@@ -417,7 +417,11 @@ def test_dropout_is_the_seeds_mask_and_reproducible(path: str) -> None:
     as_int = int(jax.random.bits(key, (), jnp.uint32))
     if path == "auto":
         by_key = SDPA(q, k, v, dropout_p=p, seed=key, is_causal=True, implementation=path)
-        assert np.array_equal(by_key, ours(q, k, v, seed=as_int))
+        by_int = ours(q, k, v, seed=as_int)
+        # (eager against jitted: on a GPU XLA compiles them differently, so only the
+        # dropped positions must agree bit for bit)
+        assert np.array_equal(np.asarray(by_key) == 0, np.asarray(by_int) == 0)
+        close(by_key, by_int, 1e-12)
     # Under vmap each slice gets the mask it gets alone.
     vm = jax.jit(jax.vmap(lambda q: ours(q, k, v)))(jnp.stack([2 * q, q]))
     assert np.allclose(vm[1], out, rtol=0, atol=1e-12)
