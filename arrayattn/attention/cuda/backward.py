@@ -955,6 +955,19 @@ def _cupy_launch(
     kernel(grid, (threads,), args, shared_mem=smem)
 
 
+def _flex_launch(
+    name: str,
+    grid: tuple[int, int, int],
+    threads: int,
+    smem: int,
+    args: tuple[Any, ...],
+    prelude: str = "",
+) -> None:
+    """:func:`_cupy_launch` with a block-mask predicate's ``prelude`` for the ``FLEX``
+    instantiations only (the preprocess and convert kernels stay one module each)."""
+    _cupy_launch(name, grid, threads, smem, args, prelude if name.endswith(", true>") else "")
+
+
 def backward(
     spec: AttentionSpec,
     query: Array,
@@ -1013,7 +1026,7 @@ def backward(
         # a built-in mask_mod's predicate compiled into the FLEX kernels (flex_table.prelude)
         prelude = flex_table.prelude(spec.block_mask)
         if prelude:
-            launch = functools.partial(_cupy_launch, prelude=prelude)
+            launch = functools.partial(_flex_launch, prelude=prelude)
     q = _full(spec, query, spec.q_shape, Hq, (L, E))
     k = _full(spec, key, spec.k_shape, Hkv, (S, E))
     v = _full(spec, value, spec.v_shape, Hkv, (S, Ev))
