@@ -285,7 +285,8 @@ stage long 60 "$py" bench/gpu_bench.py --long --out "$out/bench.md"
 # host: where the host time of a small fused call goes (cProfile of the decode call)
 stage host 60 "$py" bench/gpu_host_overhead.py
 sanitize memcheck_plant 30 memcheck --plant-oob --dtypes none # must report 1 error
-sanitize memcheck 90 memcheck
+# shellcheck disable=SC2086 # MEMCHECK_ARGS: extra gpu_sanitize.py words (e.g. --small --dtypes float16)
+sanitize memcheck 90 memcheck ${MEMCHECK_ARGS:-}
 sanitize racecheck 90 racecheck --small --dtypes "${RACE_DTYPES:-float16,float32,bfloat16,float64}"
 sanitize synccheck 40 synccheck --small --dtypes float16,float32
 
