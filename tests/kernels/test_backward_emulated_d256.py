@@ -51,18 +51,17 @@ def _plans() -> list[backward.BackwardPlan]:
 
 
 def test_d256_switch_plans(monkeypatch):
-    """Off (unset, empty, 0): the CUDA-core kernels, as before. 1/64 and 32: v4's dK/dV
-    kernel at head dim 256 (64 keys, 64- or 32-row steps) with v2's deterministic dQ, under
-    v4 only; E or Ev not multiples of 8, block masks and other dtypes stay on the CUDA
-    cores. Anything else is refused with the value named."""
-    for raw in (None, "", "0"):
+    """Off (0): the CUDA-core kernels, as before. On (unset, empty, 1/64 and 32): v4's
+    dK/dV kernel at head dim 256 (64 keys, 64- or 32-row steps) with v2's deterministic dQ,
+    under v4 only; E or Ev not multiples of 8, block masks and other dtypes stay on the
+    CUDA cores. Anything else is refused with the value named."""
+    monkeypatch.setenv(D256_TC_ENV, "0")
+    assert not backward_plan("float16", E, EV, variant="v4").tensor_cores
+    for raw, bm in ((None, 64), ("", 64), ("1", 64), ("64", 64), ("32", 32)):
         if raw is None:
             monkeypatch.delenv(D256_TC_ENV, raising=False)
         else:
             monkeypatch.setenv(D256_TC_ENV, raw)
-        assert not backward_plan("float16", E, EV, variant="v4").tensor_cores
-    for raw, bm in (("1", 64), ("64", 64), ("32", 32)):
-        monkeypatch.setenv(D256_TC_ENV, raw)
         for kind, t in (("float16", "AaF16"), ("bfloat16", "AaBF16")):
             plan = backward_plan(kind, E, EV, variant="v4")
             assert plan.tensor_cores and plan.variant == "v4" and plan.head_dim == 256

@@ -368,7 +368,7 @@ def test_v4_agrees_with_v2(monkeypatch, launched, E, deterministic):
         assert rel(dq4, dq2) <= 2e-3
 
 
-# -- head dim 256 on tensor cores (ARRAYATTN_BWD_D256_TC, opt-in under v4) ------------------
+# -- head dim 256 on tensor cores (ARRAYATTN_BWD_D256_TC, the default under v4) ------------
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize(
     "kind,case,E,rows",
@@ -410,13 +410,13 @@ def test_d256_tensor_cores_under_switch(
 
 
 def test_d256_switch_off_keeps_cuda_cores(monkeypatch, launched):
-    """Without the switch head dim 256 runs the CUDA-core kernels under v4 (the default),
-    and the tensor-core result agrees with them to 16-bit rounding."""
+    """ARRAYATTN_BWD_D256_TC=0: head dim 256 runs the CUDA-core kernels under v4, and the
+    tensor-core result (the default) agrees with them to 16-bit rounding."""
     _use_variant(monkeypatch, "v4")
-    monkeypatch.delenv(bwd.D256_TC_ENV, raising=False)
+    monkeypatch.setenv(bwd.D256_TC_ENV, "0")
     old = _run("float16", "bottom_right_ragged", E=256, Ev=256)[0]
     assert any("_simt<" in n for n in launched) and not any("_mma4<" in n for n in launched)
-    monkeypatch.setenv(bwd.D256_TC_ENV, "1")
+    monkeypatch.delenv(bwd.D256_TC_ENV)
     launched.clear()
     new = _run("float16", "bottom_right_ragged", E=256, Ev=256)[0]
     assert any("_mma4<" in n for n in launched), launched

@@ -412,11 +412,14 @@ def test_v3_plan_and_what_it_declines_to(kind, e, ev, want):
         ("float64", 128, 128, "v1"),
     ],
 )
-def test_v4_plan_and_what_it_declines_to(kind, e, ev, want):
+def test_v4_plan_and_what_it_declines_to(kind, e, ev, want, monkeypatch):
     """v4 has its own dK/dV kernel at head dims 64 and 128 (16-bit kinds, E and Ev multiples
     of 8) with v2's deterministic dQ; anything else gets exactly v2's plan (or v1's, as v2);
-    block masks get v4's FLEX dK/dV kernel beside v2's FLEX dQ kernel."""
+    block masks get v4's FLEX dK/dV kernel beside v2's FLEX dQ kernel. (Head dim 256's
+    tensor-core plan, the default: test_backward_emulated_d256.py; off here.)"""
     from arrayattn.attention.cuda import backward as bwd
+
+    monkeypatch.setenv(bwd.D256_TC_ENV, "0")
 
     plan = bwd.backward_plan(kind, e, ev, variant="v4")
     assert plan.variant == want

@@ -393,11 +393,11 @@ def test_declines_and_routes(fake_cupy, monkeypatch) -> None:
     bm = create_block_mask(causal_mask, None, None, L, L)
     assert fused.declines(_spec(bm)) is None
     assert fused.declines(_spec(mask_mod=causal_mask)) is None  # built-in: make_spec's mask
-    for d, variant in ((64, "v2"), (128, "v2"), (96, "v1"), (256, "v1")):
+    for d, variant in ((64, "v2"), (128, "v2"), (96, "v2"), (256, "v1")):
         spec = _spec(bm, d=d)
         assert fused._launch(spec, "float16", d, None).variant == variant
-    monkeypatch.setenv("ARRAYATTN_FWD_TC2_D96", "1")  # v2 at D = 96 (opt-in)
-    assert fused._launch(_spec(bm, d=96), "float16", 96, None).variant == "v2"
+    monkeypatch.setenv("ARRAYATTN_FWD_TC2_D96", "0")  # v1 at D = 96 (the switch off)
+    assert fused._launch(_spec(bm, d=96), "float16", 96, None).variant == "v1"
     monkeypatch.delenv("ARRAYATTN_FWD_TC2_D96")
     bm32 = create_block_mask(causal_mask, None, None, L, L, block_size=(128, 32))
     assert "multiple of the kernel's" in fused.declines(_spec(bm32))  # D = 64: 64-key tiles

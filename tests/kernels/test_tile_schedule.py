@@ -220,16 +220,16 @@ def test_forward_variant_switch(monkeypatch) -> None:
 
 
 def test_v2_d96_switch(monkeypatch) -> None:
-    """D = 96 runs v2 (aa_fwd_tc2, 64-key tiles) only with ARRAYATTN_FWD_TC2_D96=1, under
+    """D = 96 runs v2 (aa_fwd_tc2, 64-key tiles) unless ARRAYATTN_FWD_TC2_D96=0, under
     v2 and v3 (the default), for what v2 runs at D = 128 (block masks included; softcap,
     dense masks, ALiBi and dropout stay on v1), with compiled, spill-checked
     instantiations; v1 ignores the switch."""
     compiled = set(tiles.COMPILE_VARIANTS["attn_fwd.cu"])
-    monkeypatch.delenv(tiles.TC2_D96_ENV, raising=False)
+    monkeypatch.setenv(tiles.TC2_D96_ENV, "0")
     for variant in ("v2", "v3"):
         assert forward_launch("float16", 96, False, False, 0, False, 0.1, variant).variant == "v1"
-    monkeypatch.setenv(tiles.TC2_D96_ENV, "0")
-    assert forward_launch("float16", 96, False, False, 0, False, 0.1, "v3").variant == "v1"
+    monkeypatch.delenv(tiles.TC2_D96_ENV, raising=False)
+    assert forward_launch("float16", 96, False, False, 0, False, 0.1, "v3").variant == "v2"
     monkeypatch.setenv(tiles.TC2_D96_ENV, "1")
     for kind in ("float16", "bfloat16"):
         for mk in (0, 4):
@@ -309,7 +309,7 @@ def test_v2_serves_or_declines_to_v1(kind, d) -> None:
             if reason is not None:
                 assert v2 == v1, reason
                 continue
-            assert kind in ("float16", "bfloat16") and d in tiles.V2_HEAD_DIMS
+            assert kind in ("float16", "bfloat16") and d in tiles.v2_head_dims()
             assert not dropout and scale > 0
             assert v2.variant == "v2" and v2.name.startswith("aa_fwd_tc2<")
             assert v2.config == tile_config_v2(d)

@@ -41,14 +41,14 @@ dS^T through shared memory, dK/dV by 32-key warp slices, dQ by 32-row warp slice
 padded head dims 64 and 128 (float16/bfloat16, ``E``/``Ev`` multiples of 8), every option
 of v2, block masks included (its ``FLEX`` instantiation, see below), with v2's
 deterministic dQ kernel; its dK/dV sums run in v2's order (deterministic gradients are
-v2's bits; block masks run it only under an explicit ``ARRAYATTN_BWD_VARIANT=v4``
-until it has been measured on a GPU, see below); elsewhere ``v4`` runs
+v2's bits; block masks run it only under an explicit ``ARRAYATTN_BWD_VARIANT=v4``:
+on an H100 it ran them 0.81x v2's speed, see below); elsewhere ``v4`` runs
 v2's plan (or v1's), as it does on a device whose blocks cannot have its 173-178 KB of
-shared memory (pre-Hopper parts). Head dim 256 in float16/bfloat16 runs the CUDA-core
-kernels unless ``ARRAYATTN_BWD_D256_TC`` is ``1``/``64`` or ``32`` (opt-in until measured
-on a GPU, :data:`D256_TC_ENV`): then, under ``v4``, ``aa_bwd_dkdv_mma4`` at head dim 256
-(64-key blocks, 64- or 32-row query steps) and v2's deterministic dQ kernel run it on
-tensor cores (``E``/``Ev`` multiples of 8; block masks stay on the CUDA cores). See
+shared memory (pre-Hopper parts). Head dim 256 in float16/bfloat16 runs, under ``v4``,
+``aa_bwd_dkdv_mma4`` at head dim 256 (64-key blocks, 64- or 32-row query steps) and v2's
+deterministic dQ kernel on tensor cores (``E``/``Ev`` multiples of 8; block masks stay on
+the CUDA cores); ``ARRAYATTN_BWD_D256_TC=0`` (:data:`D256_TC_ENV`) keeps the CUDA-core
+kernels, which it replaced after an H100 measured it 9-18x faster. See
 ``bench/BACKWARD_KERNEL_NOTES.md``.
 
 **What runs in the kernels** (:func:`declines` gives the reason for anything else): CuPy
@@ -181,7 +181,7 @@ warps along the keys of S^T WK, register sub-step of each warp's queries TQS); t
 that compile without spills on sm_90 (D = 64: 248 registers, D = 128: 255)."""
 
 _V4_D256_TILES = {64: (64, 64, 4, 16), 32: (32, 64, 4, 16)}
-"""v4's ``aa_bwd_dkdv_mma4`` tiles at padded head dim 256 (16-bit, opt-in: :data:`D256_TC_ENV`),
+"""v4's ``aa_bwd_dkdv_mma4`` tiles at padded head dim 256 (16-bit; :data:`D256_TC_ENV`),
 keyed by the query rows per step BM: (BM, BN, WK, TQS) as :data:`_V4_TILES`. 64 keys per
 block (each warp's 32-key x 64-dim slices of dK and dV: 128 accumulator registers, as v4 at
 D = 128). sm_90: BM = 64 255 registers and 222208 bytes of shared memory, BM = 32 236 and
@@ -192,24 +192,25 @@ rows per block, 242 registers on sm_90, no spill."""
 
 D256_TC_ENV = "ARRAYATTN_BWD_D256_TC"
 """Tensor cores for the float16/bfloat16 backward at padded head dim 256 (``E``, ``Ev`` in
-(128, 256], multiples of 8) under variant ``v4``: ``1`` or ``64`` (64-row query steps) or
-``32`` (32-row steps) run ``aa_bwd_dkdv_mma4`` there (and v2's ``aa_bwd_dq_mma2`` in
-deterministic mode); unset, empty or ``0`` keep the CUDA-core kernels, the default until a
-GPU measurement says otherwise. Read at each call."""
+(128, 256], multiples of 8) under variant ``v4``: ``1`` or ``64`` (64-row query steps; also
+unset or empty, the default since the H100 run of 2026-11-26, 17:02 UTC: backward 0.77-0.83x
+PyTorch's flash backend at L = 2048, 9-18x the CUDA-core kernels) or ``32`` (32-row steps)
+run ``aa_bwd_dkdv_mma4`` there (and v2's ``aa_bwd_dq_mma2`` in deterministic mode); ``0``
+keeps the CUDA-core kernels. Read at each call."""
 
 
 def d256_tc_rows() -> int | None:
     """The query rows per step :data:`D256_TC_ENV` asks for at head dim 256 (64 or 32), or
-    ``None`` (off: the CUDA-core kernels); ``ValueError`` for any other value.
+    ``None`` (``0``: the CUDA-core kernels); ``ValueError`` for any other value.
 
     Examples:
         >>> d256_tc_rows() in (None, 32, 64)
         True
     """
     raw = os.environ.get(D256_TC_ENV, "").strip()
-    if raw in ("", "0"):
+    if raw == "0":
         return None
-    if raw in ("1", "64", "32"):
+    if raw in ("", "1", "64", "32"):
         return 32 if raw == "32" else 64
     raise ValueError(f"{D256_TC_ENV} must be 0, 1, 64 or 32, got {raw!r}")
 
@@ -473,8 +474,8 @@ def backward_plan(kind: str, e: int, ev: int, variant: str | None = None) -> Bac
             return _plan_v4(kind, d)
         if variant in ("v2", "v3", "v4") and d in _V2_HEAD_DIMS and aligned:
             return _plan_v2(kind, d)
-        # Head dim 256 on tensor cores: opt-in under v4 (ARRAYATTN_BWD_D256_TC), since
-        # not measured on a GPU yet; otherwise the CUDA-core kernels below.
+        # Head dim 256 on tensor cores under v4 unless ARRAYATTN_BWD_D256_TC=0;
+        # otherwise the CUDA-core kernels below.
         if variant == "v4" and d is None and need <= 256 and aligned:
             rows = d256_tc_rows()
             if rows is not None:
@@ -566,7 +567,10 @@ def flex_plan(kind: str, e: int, ev: int, variant: str | None = None) -> Backwar
     plan = backward_plan(kind, e, ev, flex_bwd_variant() if variant is None else variant)
     if plan is None:
         return None
-    if plan.variant == "v3" or (plan.tensor_cores and plan.variant == "v1"):
+    v4_flexed = plan.variant == "v4" and plan.head_dim in _V4_HEAD_DIMS  # (not D = 256)
+    if plan.variant == "v3" or (plan.variant == "v4" and not v4_flexed) or (
+        plan.tensor_cores and plan.variant == "v1"
+    ):
         plan = backward_plan(kind, e, ev, "v2")
         if plan is None or (plan.tensor_cores and plan.variant != "v2"):
             return None
@@ -616,7 +620,7 @@ def _all_plans() -> list[BackwardPlan]:
             plans.append(_plan_v3(kind, d))
         for d in _V4_HEAD_DIMS:
             plans.append(_plan_v4(kind, d))
-        for bm in _V4_D256_TILES:  # head dim 256 (opt-in, ARRAYATTN_BWD_D256_TC)
+        for bm in _V4_D256_TILES:  # head dim 256 (ARRAYATTN_BWD_D256_TC)
             plans.append(_plan_v4_d256(kind, bm))
     # block masks: the FLEX instantiations of the CUDA-core, v2 and v4 kernels
     for kind in _KIND_TYPES:
@@ -680,7 +684,7 @@ HOT_VARIANTS: list[str] = list(
     )
 )
 """The variants the compile check fails on when they spill: float16/bfloat16 at D = 64, 128,
-of every variant, their block-mask (FLEX) dK/dV kernels, and the opt-in tensor-core kernels
+of every variant, their block-mask (FLEX) dK/dV kernels, and the tensor-core kernels
 at D = 256."""
 
 

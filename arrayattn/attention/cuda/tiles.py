@@ -211,29 +211,30 @@ default: v2, and float32 on tensor cores through ``aa_fwd_tf32``, three TF32 pro
 per product)."""
 
 V2_HEAD_DIMS = (64, 128)
-"""Head dims ``aa_fwd_tc2`` serves by default. D = 32 and 256 stay on v1 (not the target);
-D = 96 is instantiated too (:data:`V2_OPT_IN_HEAD_DIMS`) but runs on v2 only when
-``ARRAYATTN_FWD_TC2_D96=1``, until a GPU measurement says it is faster than v1 there."""
+"""Head dims ``aa_fwd_tc2`` serves always. D = 32 and 256 stay on v1 (not the target);
+D = 96 runs on v2 too (:data:`V2_OPT_IN_HEAD_DIMS`) unless ``ARRAYATTN_FWD_TC2_D96=0``:
+on an H100 (2026-11-26, 17:02 UTC) it ran 1.39-1.55x v1's speed there, 0.94-1.07x
+PyTorch's flash backend (v1 0.63-0.68x)."""
 
 V2_OPT_IN_HEAD_DIMS = (96,)
-"""Head dims ``aa_fwd_tc2`` is instantiated for that v2 serves only behind
-:data:`TC2_D96_ENV`: D = 96 (128 x 64 tiles, 244 registers and no spill on sm_90; v1 runs
+"""Head dims ``aa_fwd_tc2`` serves unless :data:`TC2_D96_ENV` is ``0``: D = 96 (128 x 64
+tiles, 244 registers and no spill on sm_90; v1 runs
 it with 32-key tiles). A row is 12 16-byte chunks, which 128 threads do not split into
 whole rows, so 96 of them copy K and V (``aa_tile_async_rows``)."""
 
 TC2_D96_ENV = "ARRAYATTN_FWD_TC2_D96"
-"""``1``: 16-bit D = 96 calls of variants v2/v3 run ``aa_fwd_tc2`` (64-key tiles);
-unset, empty or ``0``: v1's ``aa_fwd_tc`` (32-key tiles) as before. Off by default: not
-measured on a GPU yet."""
+"""Unset, empty or ``1`` (the default since the H100 run of 2026-11-26, 17:02 UTC): 16-bit
+D = 96 calls of variants v2/v3 run ``aa_fwd_tc2`` (64-key tiles); ``0``: v1's
+``aa_fwd_tc`` (32-key tiles), as before."""
 
 
 def v2_head_dims() -> tuple[int, ...]:
-    """The head dims v2 serves now: :data:`V2_HEAD_DIMS`, plus D = 96 when
-    :data:`TC2_D96_ENV` is ``1``; ``ValueError`` for a value other than ``0``/``1``/empty."""
+    """The head dims v2 serves now: :data:`V2_HEAD_DIMS`, plus D = 96 unless
+    :data:`TC2_D96_ENV` is ``0``; ``ValueError`` for a value other than ``0``/``1``/empty."""
     env = os.environ.get(TC2_D96_ENV, "")
     if env not in ("", "0", "1"):
         raise ValueError(f"{TC2_D96_ENV} must be 0 or 1, got {env!r}")
-    return V2_HEAD_DIMS + V2_OPT_IN_HEAD_DIMS if env == "1" else V2_HEAD_DIMS
+    return V2_HEAD_DIMS if env == "0" else V2_HEAD_DIMS + V2_OPT_IN_HEAD_DIMS
 
 
 V2_FEATURE_HEAD_DIMS = (64,)
@@ -296,7 +297,7 @@ def v2_declines(
         return f"v2 is a tensor-core kernel (float16/bfloat16), not {kind}"
     dims = v2_head_dims()
     if d not in dims:
-        return f"v2 serves head dims {dims} ({TC2_D96_ENV}=1 adds 96), not {d}"
+        return f"v2 serves head dims {dims} ({TC2_D96_ENV}=0 leaves out 96), not {d}"
     if dropout:
         return "v2 has no dropout (register budget); v1 runs it"
     if (softcap or mask_kind & 3 or alibi) and d not in V2_FEATURE_HEAD_DIMS:
@@ -465,7 +466,7 @@ def _v2_variants() -> list[str]:
             # a block mask (arrayattn.flex) with a bool mask and every feature
             forward_kernel_name_v2("bfloat16", d, True, 5, True),
         ]
-    # block masks (arrayattn.flex; MASK 4) at every v2 head dim (D = 96 opt-in included)
+    # block masks (arrayattn.flex; MASK 4) at every v2 head dim (D = 96 included)
     out += [
         forward_kernel_name_v2(kind, d, False, 4, False)
         for kind in ("float16", "bfloat16")
