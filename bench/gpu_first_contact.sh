@@ -238,7 +238,7 @@ stage flex_bench 120 "$py" bench/gpu_flex_bench.py --out "$out/bench.md"
 stage ab_flex 150 "$py" bench/gpu_flex_bench.py --bwd-variants "${AB_FLEX_VARIANTS:-v2,v4}" \
   --out "$out/bench.md"
 # ab_flex_pred: built-in mask_mods evaluated in the kernels (a generated predicate, no bits
-# in the table; the default) against the partial blocks' bits (ARRAYATTN_FLEX_PREDICATE=0),
+# in the table; ARRAYATTN_FLEX_PREDICATE=1) against the partial blocks' bits (the default, =0),
 # the same packed documents, forward and forward + backward (no PyTorch rows)
 ab_flex_pred() {
   local v

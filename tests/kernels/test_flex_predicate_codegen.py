@@ -29,7 +29,16 @@ from arrayattn.flex import (
 
 @pytest.fixture(autouse=True)
 def _predicate_on(monkeypatch) -> None:
-    monkeypatch.delenv(flex_pred.PREDICATE_ENV, raising=False)
+    monkeypatch.setenv(flex_pred.PREDICATE_ENV, "1")
+
+
+def test_off_by_default(monkeypatch) -> None:
+    """The bits path unless ARRAYATTN_FLEX_PREDICATE=1 (the bits path ran the forward
+    faster on an H100)."""
+    monkeypatch.delenv(flex_pred.PREDICATE_ENV)
+    assert not flex_pred.predicate_enabled()
+    bm = create_block_mask(causal_mask, None, None, 256, 256)
+    assert flex_table.prelude(bm) == ""
 
 
 def test_structure_only_sources() -> None:
@@ -38,7 +47,7 @@ def test_structure_only_sources() -> None:
     a = flex_pred.generate(or_masks(sliding_window_mask(40), global_tokens_mask(8)), 1)
     b = flex_pred.generate(or_masks(sliding_window_mask(7, 3), global_tokens_mask(1)), 1)
     assert a is not None and b is not None
-    assert a.expr == "(((kv - q >= P[0]) && (kv - q <= P[1])) || ((q < P[2]) || (kv < P[2])))"
+    assert a.expr == "(((kv - q >= P[0]) & (kv - q <= P[1])) | ((q < P[2]) | (kv < P[2])))"
     assert a.expr == b.expr and a.source == b.source
     assert (a.params, b.params) == ([-40, 0, 8], [-7, 3, 1])
     c = flex_pred.generate(causal(5), 1)
@@ -50,10 +59,10 @@ def test_structure_only_sources() -> None:
     assert d1 is not None and d2 is not None and d1.source == d2.source
     assert d1.expr == "(F[P[0] + b * P[1] + q] == F[P[0] + b * P[1] + kv])"  # one id copy
     dq = flex_pred.generate(document_mask(ids, ids.copy(), causal=True), 1)
-    assert dq is not None and "P[2]" in dq.expr and dq.expr.endswith("&& (kv <= q))")
+    assert dq is not None and "P[2]" in dq.expr and dq.expr.endswith("& (kv <= q))")
     p = flex_pred.generate(and_masks(prefix_lm_mask(np.array([3, 9])), causal_mask), 2)
     assert p is not None
-    assert p.expr == "(((kv < F[P[0] + b * P[1]]) || (kv <= q)) && (kv - q <= P[2]))"
+    assert p.expr == "(((kv < F[P[0] + b * P[1]]) | (kv <= q)) & (kv - q <= P[2]))"
     assert p.source.startswith("#define AA_FLEX_PRED 1\n#define AA_FLEX_PRED_EXPR (")
 
 

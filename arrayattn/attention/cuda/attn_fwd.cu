@@ -248,14 +248,17 @@ template <int BN, int MT, int NS>
 AA_DEV void aa_flex_mask_tile(float (&s)[MT][NS][4], const int* flex, int cur, int r0,
                               int row_w, int c0, int t) {
 #ifdef AA_FLEX_PRED
-    // The predicate runs in a rolled loop into one bit per element, then an unrolled
-    // select applies the bits (as the bits path does): unrolled, the generated expression
-    // repeated for every element doubled the kernels' code, and the H100 run of
-    // 2026-11-26 17:03 UTC measured the forward 2.0x slower than the bits path with it.
+    // The predicate into one bit per element, then the bits path's select. Its loads are
+    // unconditional (aa_flex_pred): the table's header and parameters are read once and
+    // each row's and key's id once per tile (2 + 2 NS loads a thread at MT = 1), all in
+    // flight together. (On the H100, 2026-11-26 17:03 and 17:16 UTC, the first form,
+    // with a chain of dependent loads behind a branch per element, ran this forward
+    // 1.8-2.0x slower than the bits path, unrolled or rolled; this form has not run on a
+    // GPU yet.)
     static_assert(MT * NS * 4 <= 64, "one bit per fragment element");
     const int b = flex[cur + 1];
     unsigned long long keep = 0ull;
-#pragma unroll 1
+#pragma unroll
     for (int k = 0; k < MT * NS * 4; ++k) {
         const int mt = k / (NS * 4), nt = (k / 4) % NS, e = k % 4;
         const int i = row_w + 16 * mt + 8 * (e >> 1);

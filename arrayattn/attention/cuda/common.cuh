@@ -177,12 +177,21 @@ AA_HD int aa_alibi_dist(int i, int j, int offset) {
 #define AA_FLEX_PARAM 12  // table header: int32 offset of the parameter area
 #define AA_FLEX_L 13      // ... the block mask's L
 #define AA_FLEX_S 14      // ... and S
+//
+// Every load is unconditional (q and kv clamped into the mask's range, the expression
+// built from the non-short-circuit & and |): the table's header and parameters are then
+// loop invariants the compiler hoists out of the kernels' element loops, and the id
+// loads issue together. (With early returns and &&, each element paid a chain of
+// dependent L2 loads: on an H100 the forward ran 1.8-2.0x slower than the bits path.)
 #ifdef AA_FLEX_PRED
 AA_HD bool aa_flex_pred(const int* __restrict__ F, int b, int q, int kv) {
-    if (q >= F[AA_FLEX_L] || kv >= F[AA_FLEX_S]) return false;
+    const int lq = F[AA_FLEX_L], sk = F[AA_FLEX_S];
+    const bool inside = (q < lq) & (kv < sk);
+    q = q < lq ? q : lq - 1;
+    kv = kv < sk ? kv : sk - 1;
     const int* __restrict__ P = F + F[AA_FLEX_PARAM];
     (void)P;  // (a structure without run-time values does not read it)
-    return AA_FLEX_PRED_EXPR;
+    return inside & (bool)(AA_FLEX_PRED_EXPR);
 }
 #endif
 

@@ -13,7 +13,9 @@ evaluate the predicate on them (``common.cuh``, ``aa_flex_pred``).
 The expression reads ``F`` (the table), ``P`` (its parameter area, ``F + F[12]``), ``b``
 (the table's batch index, stored in the partial id slot of a partial block's pair), ``q``
 and ``kv`` (query row and key, positions in the call): e.g. a causal document mask is
-``((F[P[0] + b * P[1] + q] == F[P[2] + b * P[3] + kv]) && (kv <= q))``. The kernels see it
+``((F[P[0] + b * P[1] + q] == F[P[2] + b * P[3] + kv]) & (kv <= q))`` (``&`` and ``|``,
+not ``&&`` and ``||``: with every load unconditional the compiler hoists the parameters
+out of the kernels' element loops; ``aa_flex_pred`` clamps q and kv). The kernels see it
 as the macro ``AA_FLEX_PRED_EXPR`` in front of their source (:func:`prelude`), which also
 defines ``AA_FLEX_PRED`` (the compile-time switch in ``attn_fwd.cu`` / ``attn_bwd.cu``).
 
@@ -46,10 +48,15 @@ _I32 = np.iinfo(np.int32)
 
 
 def predicate_enabled() -> bool:
-    """Whether built-in mask_mods are evaluated in the kernels: yes unless
-    ``ARRAYATTN_FLEX_PREDICATE`` is ``0``/``false``/``no`` (read at each table build, for
-    A/B runs against the bits path)."""
-    return os.environ.get(PREDICATE_ENV, "").strip().lower() not in ("0", "false", "no")
+    """Whether built-in mask_mods are evaluated in the kernels: when
+    ``ARRAYATTN_FLEX_PREDICATE`` is ``1``/``true``/``yes`` (read at each table build, for
+    A/B runs against the bits path). Off by default: on an H100 (2026-11-26, 17:03 and
+    17:16 UTC) the predicate was correct in every GPU test (compute-sanitizer clean) and
+    its table a third of the bits' (331 KB against 986 KB, packed documents at
+    L = 16384), but its first form ran the forward 1.8-2.0x slower than the bits path
+    (forward+backward 3% slower, the backward alone 6% faster); the present form (all
+    loads unconditional, hoisted) has not run on a GPU."""
+    return os.environ.get(PREDICATE_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
 @dataclass
@@ -112,7 +119,7 @@ def _window(pred: Predicate, m: mm._Window) -> str:
         parts.append(f"(kv - q <= {pred.param(m.offset + m.right)})")
     if not parts:
         return "true"
-    return parts[0] if len(parts) == 1 else "(" + " && ".join(parts) + ")"
+    return parts[0] if len(parts) == 1 else "(" + " & ".join(parts) + ")"
 
 
 def _document(pred: Predicate, m: mm._Document, batches: int) -> str:
@@ -123,24 +130,24 @@ def _document(pred: Predicate, m: mm._Document, batches: int) -> str:
     else:
         ko, ks = _rows(pred, kh, batches, "kv_document_ids")
     same = f"(F[{qo} + b * {qs} + q] == F[{ko} + b * {ks} + kv])"
-    return f"({same} && (kv <= q))" if m.causal else same
+    return f"({same} & (kv <= q))" if m.causal else same
 
 
 def _prefix(pred: Predicate, m: mm._PrefixLM, batches: int) -> str:
     if m.value is not None:
-        return f"((kv < {pred.param(m.value)}) || (kv <= q))"
+        return f"((kv < {pred.param(m.value)}) | (kv <= q))"
     host = m._host
     if host.shape[0] != 1 and host.shape[0] < batches:
         raise _Unsupported(f"prefix_lengths has {host.shape[0]} values, {batches} batches")
     off = pred.array(host)
     stride = pred.param(1 if host.shape[0] > 1 else 0)
-    return f"((kv < F[{off} + b * {stride}]) || (kv <= q))"
+    return f"((kv < F[{off} + b * {stride}]) | (kv <= q))"
 
 
 def _node(pred: Predicate, m: mm.MaskMod, batches: int) -> str:
     """The C expression of ``m`` (parameters appended to ``pred``)."""
     if isinstance(m, mm._Combined):
-        op = " && " if m.op == "and" else " || "
+        op = " & " if m.op == "and" else " | "
         return "(" + op.join(_node(pred, c, batches) for c in m.mods) + ")"
     if isinstance(m, mm._Noop):
         return "true"
@@ -152,7 +159,7 @@ def _node(pred: Predicate, m: mm.MaskMod, batches: int) -> str:
         return _prefix(pred, m, batches)
     if isinstance(m, mm._Global):
         n = pred.param(m.n)
-        return f"((q < {n}) || (kv < {n}))"
+        return f"((q < {n}) | (kv < {n}))"
     raise _Unsupported(f"{m!r} is not a built-in mask_mod")
 
 
@@ -165,7 +172,7 @@ def generate(mask_mod: object, batches: int) -> Predicate | None:
         >>> from arrayattn.flex import document_mask
         >>> p = generate(document_mask(np.zeros((2, 8), np.int32), causal=True), 2)
         >>> p.expr
-        '((F[P[0] + b * P[1] + q] == F[P[0] + b * P[1] + kv]) && (kv <= q))'
+        '((F[P[0] + b * P[1] + q] == F[P[0] + b * P[1] + kv]) & (kv <= q))'
         >>> p.params
         [0, 8]
     """

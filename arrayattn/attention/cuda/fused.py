@@ -26,12 +26,12 @@ What runs in the kernel (``attn_fwd.cu``) and what does not:
   ``BlockMask`` and device (``flex_table.py``; cached on the block mask, so pass the same
   one to every call and layer): per (batch, head, query block) the non-empty key blocks,
   full or partial, and the bits of the partial blocks from one evaluation of the
-  mask_mod on them; or, for a tree of built-in mask_mods (``flex_pred.py``, unless
-  ``ARRAYATTN_FLEX_PREDICATE=0``), no bits: a predicate generated from the tree's
-  structure is compiled into the kernel and its values read from the table. Empty blocks
-  are skipped, partial ones set excluded scores to -inf (ANDed with causal, windows,
-  lengths and a dense mask). Declined (the array-API chunked
-  path runs them): ``score_mod``, a plain mask_mod function without a block mask, block
+  mask_mod on them; or, for a tree of built-in mask_mods with
+  ``ARRAYATTN_FLEX_PREDICATE=1`` (``flex_pred.py``; opt-in), no bits: a predicate
+  generated from the tree's structure is compiled into the kernel and its values read
+  from the table. Empty blocks are skipped, partial ones set excluded scores to -inf
+  (ANDed with causal, windows, lengths and a dense mask). Declined (the array-API
+  chunked path runs them): ``score_mod``, a plain mask_mod function without a block mask, block
   sizes the kernel's tiles do not divide (``Q_BLOCK % BM``, ``KV_BLOCK % BN``; the
   default 128 fits every kernel), non-CuPy arrays, blocks of a larger call. The decode
   kernels decline them; the backward of such a call is the backward kernels' block-mask
