@@ -20,7 +20,7 @@ variants (``tiles.py``).
 
 Usage: ``python .ci/compile_kernels.py [--jobs N] [--arch sm_90] [--hot-only]
 [--source attn_fwd.cu ...] [--flex-pred]`` (``--flex-pred``: the block-mask predicate
-variants of ``flex_pred.compile_variants``, bits path and predicate side by side).
+variants of ``flex_variants.compile_variants``, bits path and predicate side by side).
 """
 
 from __future__ import annotations
@@ -229,10 +229,11 @@ def _extra_variants() -> tuple[dict[str, list[str]], set[str]]:
 
 def flex_pred_check(arch: str, jobs: int) -> int:
     """``--flex-pred``: one block-mask instantiation per kernel family
-    (``flex_pred.compile_variants``) compiled as the bits path reads the table and with a
+    (``flex_variants.compile_variants``) compiled as the bits path reads the table and with a
     generated predicate in front (``flex_pred.sample_prelude``), side by side; 1 when a
     predicate variant spills or is not reported, 2 on a compile error."""
-    from arrayattn.attention.cuda.flex_pred import compile_variants, sample_prelude
+    from arrayattn.attention.cuda.flex_pred import sample_prelude
+    from arrayattn.attention.cuda.flex_variants import compile_variants
 
     variants = compile_variants()
     modes = {"bits": "", "pred": sample_prelude()}

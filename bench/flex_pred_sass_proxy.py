@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Register and SASS proxies of the block-mask kernels, bits path vs predicate, no GPU.
 
-For one block-mask instantiation per kernel family (``flex_pred.compile_variants``) this
+For one block-mask instantiation per kernel family (``flex_variants.compile_variants``) this
 compiles the loader's source twice with NVRTC for ``sm_90`` exactly as ``cupy.RawModule``
 does: as the bits path reads the table, and with a generated predicate in front
 (``flex_pred.sample_prelude``: windows, global tokens, per-batch documents and prefix
@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from _nvrtc import find_nvrtc  # noqa: E402
 from bwd_sass_proxy import cubin, sass_counts  # noqa: E402
 
-from arrayattn.attention.cuda import _loader, flex_pred  # noqa: E402
+from arrayattn.attention.cuda import _loader, flex_pred, flex_variants  # noqa: E402
 from arrayattn.flex import document_mask  # noqa: E402
 
 
@@ -70,7 +70,7 @@ def main() -> int:
         # cubin() compiles _loader.kernel_source(source): the prelude goes in front there
         _loader.kernel_source = lambda f, p=prelude: p + real_source(f)  # type: ignore[assignment]
         try:
-            for src, names in flex_pred.compile_variants().items():
+            for src, names in flex_variants.compile_variants().items():
                 blob, lowered = cubin(lib, names, src)
                 with tempfile.TemporaryDirectory() as tmp:
                     cub = Path(tmp) / "k.cubin"

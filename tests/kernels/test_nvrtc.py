@@ -18,7 +18,7 @@ import _compile_check
 import pytest
 from _nvrtc import find_nvrtc, lowered_names
 
-from arrayattn.attention.cuda import backward, decode, flex_pred, tiles
+from arrayattn.attention.cuda import backward, decode, flex_pred, flex_variants, tiles
 
 
 def _variants() -> dict[str, list[str]]:
@@ -55,7 +55,7 @@ def test_flex_predicate_variants_compile_under_nvrtc(source: str) -> None:
     lib = find_nvrtc()
     if lib is None:
         pytest.skip("libnvrtc not found (pip install nvidia-cuda-nvrtc, or set ARRAYATTN_NVRTC)")
-    names = flex_pred.compile_variants()[source]
+    names = flex_variants.compile_variants()[source]
     prelude = flex_pred.sample_prelude()
     for name, lowered in lowered_names(lib, source, names, prelude).items():
         assert lowered and lowered.startswith(b"_Z"), name

@@ -39,7 +39,6 @@ __all__ = [
     "generate",
     "prelude",
     "sample_prelude",
-    "compile_variants",
 ]
 
 PREDICATE_ENV = "ARRAYATTN_FLEX_PREDICATE"
@@ -198,31 +197,3 @@ def sample_prelude() -> str:
     pred = generate(mod, 2)
     assert pred is not None
     return pred.source
-
-
-def compile_variants() -> dict[str, list[str]]:
-    """Source file -> one block-mask instantiation per kernel family, compiled with
-    :func:`sample_prelude` by the compile checks: the forward's v1 (``aa_fwd_tc``), v2
-    (``aa_fwd_tc2``), v3 (``aa_fwd_tf32``) and CUDA-core (``aa_fwd_simt``) kernels, the
-    backward's v2 (``mma2``) and CUDA-core (``simt``) dK/dV and dQ kernels, and v4's
-    (``mma4``) dK/dV kernel."""
-    from .backward import flex_plan
-    from .tiles import forward_kernel_name, forward_kernel_name_tf32
-
-    fwd = [
-        forward_kernel_name("float16", 128, False, False, 4),
-        "aa_fwd_tc2<0, 64, false, 4, false>",
-        forward_kernel_name_tf32(128, False, 4, False),
-        forward_kernel_name("float32", 64, False, False, 4),
-    ]
-    bwd: list[str] = []
-    for kind, d in (("float16", 64), ("float16", 128), ("float32", 64)):
-        plan = flex_plan(kind, d, d, "v2")
-        assert plan is not None
-        bwd += [plan.dkdv, plan.dq]
-    v4: list[str] = []  # v4's FLEX dK/dV kernel (its words: aa_bflex_word)
-    for d in (64, 128):
-        plan = flex_plan("float16", d, d, "v4")
-        assert plan is not None
-        v4.append(plan.dkdv)
-    return {"attn_fwd.cu": fwd, "attn_bwd.cu": bwd, "attn_bwd_v4.cu": v4}
