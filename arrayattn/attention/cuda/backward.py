@@ -331,6 +331,26 @@ def _simt_tiles(kind: str, d: int) -> tuple[int, int]:
     return (64, 32) if d <= 128 else (32, 32)
 
 
+def _mma4_smem(d: int, bm: int, bn: int) -> int:
+    """``AaBwdMma4Smem``: K, V; two stages of Q, dO; P^T, dS^T; two stages of lse2, delta."""
+    pitch = d + 8
+    return (2 * bn * pitch + 4 * bm * pitch + 2 * bn * (bm + 8)) * 2 + 4 * bm * 4
+
+
+def _dq_mma2(t: str, d: int, qnw: int, qbn: int) -> dict[str, Any]:
+    """v2's ``aa_bwd_dq_mma2`` fields of a plan: ``qnw`` warps (16 query rows each),
+    ``qbn`` keys per step; shared memory ``AaBwdDqMma2Smem`` (Q, dO; two stages of K, V;
+    lse2, delta)."""
+    qbm, pitch = 16 * qnw, d + 8
+    return dict(
+        dq=f"aa_bwd_dq_mma2<{t}, {d}, {qnw}, {qbn}>",
+        dq_threads=32 * qnw,
+        dq_block_m=qbm,
+        dq_block_n=qbn,
+        dq_smem=(2 * qbm * pitch + 4 * qbn * pitch) * 2 + 2 * qbm * 4,
+    )
+
+
 def _plan_v2(kind: str, d: int) -> BackwardPlan:
     """The v2 tensor-core plan (``aa_bwd_dkdv_mma2`` / ``aa_bwd_dq_mma2``) at padded head
     dim ``d`` (64 or 128)."""
@@ -340,7 +360,7 @@ def _plan_v2(kind: str, d: int) -> BackwardPlan:
     # 128 accumulator registers (254 registers, no spill), D = 64 all 64 (252).
     nw, bm, bms = {64: (8, 64, 64), 128: (8, 64, 16)}[d]
     qnw, qbn = {64: (4, 64), 128: (4, 32)}[d]  # deterministic dQ: v1's tiles
-    bn, qbm, pitch = 16 * nw, 16 * qnw, d + 8
+    bn, pitch = 16 * nw, d + 8
     return BackwardPlan(
         kind=kind,
         head_dim=d,
@@ -352,14 +372,9 @@ def _plan_v2(kind: str, d: int) -> BackwardPlan:
         dkdv_block_m=bm,
         # K, V; two stages of Q, dO; dS^T; two stages of lse2, delta (AaBwdMma2Smem)
         dkdv_smem=(2 * bn * pitch + 4 * bm * pitch + bn * (bm + 8)) * 2 + 4 * bm * 4,
-        dq=f"aa_bwd_dq_mma2<{t}, {d}, {qnw}, {qbn}>",
-        dq_threads=32 * qnw,
-        dq_block_m=qbm,
-        dq_block_n=qbn,
-        # Q, dO; two stages of K, V; lse2, delta (AaBwdDqMma2Smem)
-        dq_smem=(2 * qbm * pitch + 4 * qbn * pitch) * 2 + 2 * qbm * 4,
         convert=f"aa_bwd_convert<{t}, float>",
         variant="v2",
+        **_dq_mma2(t, d, qnw, qbn),
     )
 
 
@@ -387,15 +402,13 @@ def _plan_v4(kind: str, d: int) -> BackwardPlan:
     tiling, P^T/dS^T through shared memory) and v2's deterministic dQ kernel."""
     t, _ = _KIND_TYPES[kind]
     bm, bn, wk, tqs = _V4_TILES[d]
-    pitch = d + 8
     return dataclasses.replace(
         _plan_v2(kind, d),
         dkdv=f"aa_bwd_dkdv_mma4<{t}, {d}, {bm}, {bn}, {wk}, {tqs}>",
         dkdv_threads=256,
         dkdv_block_n=bn,
         dkdv_block_m=bm,
-        # K, V; two stages of Q, dO; P^T, dS^T; two stages of lse2, delta (AaBwdMma4Smem)
-        dkdv_smem=(2 * bn * pitch + 4 * bm * pitch + 2 * bn * (bm + 8)) * 2 + 4 * bm * 4,
+        dkdv_smem=_mma4_smem(d, bm, bn),
         variant="v4",
     )
 
@@ -407,8 +420,6 @@ def _plan_v4_d256(kind: str, bm: int) -> BackwardPlan:
     t, _ = _KIND_TYPES[kind]
     d = 256
     bm, bn, wk, tqs = _V4_D256_TILES[bm]
-    qnw, qbn = _D256_DQ_TILES
-    pitch, qbm = d + 8, 16 * qnw
     return BackwardPlan(
         kind=kind,
         head_dim=d,
@@ -418,16 +429,10 @@ def _plan_v4_d256(kind: str, bm: int) -> BackwardPlan:
         dkdv_threads=256,
         dkdv_block_n=bn,
         dkdv_block_m=bm,
-        # K, V; two stages of Q, dO; P^T, dS^T; two stages of lse2, delta (AaBwdMma4Smem)
-        dkdv_smem=(2 * bn * pitch + 4 * bm * pitch + 2 * bn * (bm + 8)) * 2 + 4 * bm * 4,
-        dq=f"aa_bwd_dq_mma2<{t}, {d}, {qnw}, {qbn}>",
-        dq_threads=32 * qnw,
-        dq_block_m=qbm,
-        dq_block_n=qbn,
-        # Q, dO; two stages of K, V; lse2, delta (AaBwdDqMma2Smem)
-        dq_smem=(2 * qbm * pitch + 4 * qbn * pitch) * 2 + 2 * qbm * 4,
+        dkdv_smem=_mma4_smem(d, bm, bn),
         convert=f"aa_bwd_convert<{t}, float>",
         variant="v4",
+        **_dq_mma2(t, d, *_D256_DQ_TILES),
     )
 
 
