@@ -43,6 +43,26 @@ def cuda_include() -> Path | None:
     return None
 
 
+def host_ints(tmp_path: Path, kernel_file: str, exprs: list[str]) -> list[int]:
+    """The values of the C++ integer expressions ``exprs`` (e.g. a kernel's shared-memory
+    layout, ``AaBwdMma4Smem<128, 64, 128>::value``), from a host program that includes
+    ``kernel_file`` under the emulator header: what the kernels themselves compute."""
+    lines = ['#include "backward_emulator.h"', f'#include "{kernel_file}"', "#include <cstdio>",
+             "int main() {"]  # fmt: skip
+    lines += [f'    std::printf("%d\\n", (int)({e}));' for e in exprs]
+    lines.append("}")
+    src = tmp_path / "host_ints.cpp"
+    src.write_text("\n".join(lines) + "\n")
+    kernels = HERE.parent.parent / "arrayattn" / "attention" / "cuda"
+    exe = tmp_path / "host_ints"
+    cmd = [compiler() or "g++", "-std=c++20", "-w", f"-I{HERE}", f"-I{kernels}",
+           f"-I{cuda_include()}", str(src), "-o", str(exe), "-pthread"]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    printed = subprocess.run([str(exe)], capture_output=True, text=True).stdout
+    return [int(x) for x in printed.split()]
+
+
 def _source(names: list[str], kernel_file: str = "attn_bwd.cu", prelude: str = "") -> str:
     lines = [
         prelude,  # a block-mask predicate (flex_pred.py) in front, as the loader does

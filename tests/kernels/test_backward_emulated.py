@@ -411,24 +411,13 @@ def test_simt_shared_memory_is_the_kernels_own(tmp_path):
             if plan is not None and not plan.tensor_cores:
                 plans.append(plan)
     assert plans
-    lines = ['#include "backward_emulator.h"', '#include "attn_bwd.cu"', "#include <cstdio>",
-             "int main() {"]  # fmt: skip
+    exprs = []
     for plan in plans:
         # aa_bwd_dkdv_simt<T, Acc, HD, BN, BM, NT>
         args = re.search(r"<(.*)>", plan.dkdv).group(1).split(",")
         acc, hd, bn, bm = (a.strip() for a in args[1:5])
-        lines.append(f'    std::printf("%d\\n", AaBwdSimtSmem<{acc}, {hd}, {bn}, {bm}>::value);')
-    lines.append("}")
-    src = tmp_path / "smem.cpp"
-    src.write_text("\n".join(lines) + "\n")
-    kernels = emu.HERE.parent.parent / "arrayattn" / "attention" / "cuda"
-    exe = tmp_path / "smem"
-    cmd = [emu.compiler() or "g++", "-std=c++20", "-w", f"-I{emu.HERE}", f"-I{kernels}",
-           f"-I{emu.cuda_include()}", str(src), "-o", str(exe), "-pthread"]  # fmt: skip
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
-    printed = subprocess.run([str(exe)], capture_output=True, text=True).stdout
-    got = [int(x) for x in printed.split()]
+        exprs.append(f"AaBwdSimtSmem<{acc}, {hd}, {bn}, {bm}>::value")
+    got = emu.host_ints(tmp_path, "attn_bwd.cu", exprs)
     assert got == [p.dkdv_smem for p in plans] == [p.dq_smem for p in plans]
 
 
@@ -440,23 +429,11 @@ def test_v2_shared_memory_is_the_kernels_own(tmp_path):
     plans = [
         backward_plan(k, d, d, variant="v2") for k in ("float16", "bfloat16") for d in (64, 128)
     ]
-    lines = ['#include "backward_emulator.h"', '#include "attn_bwd.cu"', "#include <cstdio>",
-             "int main() {"]  # fmt: skip
+    exprs = []
     for plan in plans:
         hd, nw, bm = (a.strip() for a in re.search(r"<(.*)>", plan.dkdv).group(1).split(",")[1:4])
-        lines.append(f'    std::printf("%d\\n", AaBwdMma2Smem<{hd}, {nw}, {bm}>::value);')
+        exprs.append(f"AaBwdMma2Smem<{hd}, {nw}, {bm}>::value")
         hd, nw, bn = (a.strip() for a in re.search(r"<(.*)>", plan.dq).group(1).split(",")[1:4])
-        lines.append(f'    std::printf("%d\\n", AaBwdDqMma2Smem<{hd}, {nw}, {bn}>::value);')
-    lines.append("}")
-    src = tmp_path / "smem2.cpp"
-    src.write_text("\n".join(lines) + "\n")
-    kernels = emu.HERE.parent.parent / "arrayattn" / "attention" / "cuda"
-    exe = tmp_path / "smem2"
-    cmd = [emu.compiler() or "g++", "-std=c++20", "-w", f"-I{emu.HERE}", f"-I{kernels}",
-           f"-I{emu.cuda_include()}", str(src), "-o", str(exe), "-pthread"]  # fmt: skip
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
-    got = [
-        int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True).stdout.split()
-    ]
+        exprs.append(f"AaBwdDqMma2Smem<{hd}, {nw}, {bn}>::value")
+    got = emu.host_ints(tmp_path, "attn_bwd.cu", exprs)
     assert got == [n for p in plans for n in (p.dkdv_smem, p.dq_smem)]

@@ -88,24 +88,14 @@ def test_d256_switch_plans(monkeypatch):
 def test_d256_shared_memory_is_the_kernels_own(tmp_path):
     """The launch sizes equal ``AaBwdMma4Smem`` / ``AaBwdDqMma2Smem`` at head dim 256."""
     plans = _plans()
-    lines = ['#include "backward_emulator.h"', f'#include "{SOURCE_V4}"', "#include <cstdio>",
-             "int main() {"]  # fmt: skip
+    exprs = []
     for plan in plans:
         hd, bm, bn = (a.strip() for a in re.search(r"<(.*)>", plan.dkdv).group(1).split(",")[1:4])
-        lines.append(f'    std::printf("%d\\n", AaBwdMma4Smem<{hd}, {bm}, {bn}>::value);')
+        exprs.append(f"AaBwdMma4Smem<{hd}, {bm}, {bn}>::value")
         hd, nw, qbn = (a.strip() for a in re.search(r"<(.*)>", plan.dq).group(1).split(",")[1:4])
-        lines.append(f'    std::printf("%d\\n", AaBwdDqMma2Smem<{hd}, {nw}, {qbn}>::value);')
-    lines.append("}")
-    src = tmp_path / "smem256.cpp"
-    src.write_text("\n".join(lines) + "\n")
-    kernels = emu.HERE.parent.parent / "arrayattn" / "attention" / "cuda"
-    exe = tmp_path / "smem256"
-    cmd = [emu.compiler() or "g++", "-std=c++20", "-w", f"-I{emu.HERE}", f"-I{kernels}",
-           f"-I{emu.cuda_include()}", str(src), "-o", str(exe), "-pthread"]  # fmt: skip
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = subprocess.run([str(exe)], capture_output=True, text=True).stdout
-    assert [int(x) for x in out.split()] == [n for p in plans for n in (p.dkdv_smem, p.dq_smem)]
+        exprs.append(f"AaBwdDqMma2Smem<{hd}, {nw}, {qbn}>::value")
+    got = emu.host_ints(tmp_path, SOURCE_V4, exprs)
+    assert got == [n for p in plans for n in (p.dkdv_smem, p.dq_smem)]
 
 
 def _names() -> list[str]:

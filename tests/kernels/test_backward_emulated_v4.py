@@ -191,19 +191,8 @@ def test_v4_shared_memory_is_the_kernels_own(tmp_path):
 
     plans = [backward_plan(k, *DIMS[d], variant="v4") for k in ("float16", "bfloat16")
              for d in DIMS]  # fmt: skip
-    lines = ['#include "backward_emulator.h"', f'#include "{SOURCE_V4}"', "#include <cstdio>",
-             "int main() {"]  # fmt: skip
+    exprs = []
     for plan in plans:
         hd, bm, bn = (a.strip() for a in re.search(r"<(.*)>", plan.dkdv).group(1).split(",")[1:4])
-        lines.append(f'    std::printf("%d\\n", AaBwdMma4Smem<{hd}, {bm}, {bn}>::value);')
-    lines.append("}")
-    src = tmp_path / "smem4.cpp"
-    src.write_text("\n".join(lines) + "\n")
-    kernels = emu.HERE.parent.parent / "arrayattn" / "attention" / "cuda"
-    exe = tmp_path / "smem4"
-    cmd = [emu.compiler() or "g++", "-std=c++20", "-w", f"-I{emu.HERE}", f"-I{kernels}",
-           f"-I{emu.cuda_include()}", str(src), "-o", str(exe), "-pthread"]  # fmt: skip
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = subprocess.run([str(exe)], capture_output=True, text=True).stdout
-    assert [int(x) for x in out.split()] == [p.dkdv_smem for p in plans]
+        exprs.append(f"AaBwdMma4Smem<{hd}, {bm}, {bn}>::value")
+    assert emu.host_ints(tmp_path, SOURCE_V4, exprs) == [p.dkdv_smem for p in plans]
