@@ -44,12 +44,21 @@ def find_nvrtc() -> ctypes.CDLL | None:
 
 
 def lowered_names(
-    lib: ctypes.CDLL, source: str, names: list[str], prelude: str = ""
+    lib: ctypes.CDLL,
+    source: str,
+    names: list[str],
+    prelude: str = "",
+    syntax_only: bool = False,
 ) -> dict[str, bytes]:
     """Compile ``source`` (local headers inlined, as the loader does, ``prelude`` in front:
     a block-mask predicate) with the loader's options for sm_90 and every name expression
     in ``names``; return each name's lowered (mangled) name. Fails with the end of NVRTC's
-    log when the compile fails."""
+    log when the compile fails.
+
+    ``syntax_only``: stop after NVRTC's front end (``-fdevice-syntax-only``): every name is
+    still instantiated and checked (templates, launch bounds, host functions in JIT mode,
+    static assertions), but no PTX is generated, which is ~99% of the time (the forward's
+    81 variants: 0.2 s against 34 s)."""
     prog = ctypes.c_void_p()
     src = (prelude + _loader.kernel_source(source)).encode()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, source.encode(), 0, None, None) == 0
@@ -57,6 +66,8 @@ def lowered_names(
         for name in names:
             assert lib.nvrtcAddNameExpression(prog, name.encode()) == 0
         opts = [o.encode() for o in _loader.COMPILE_OPTIONS] + [b"-arch=compute_90"]
+        if syntax_only:
+            opts.append(b"-fdevice-syntax-only")
         rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
         size = ctypes.c_size_t()
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))

@@ -1,4 +1,5 @@
-"""Every kernel variant compiles under NVRTC exactly as ``cupy.RawModule`` compiles them.
+"""Every kernel variant compiles under NVRTC exactly as ``cupy.RawModule`` compiles them
+(every variant through NVRTC's front end, a sample of each source through to PTX).
 
 ``nvcc`` (``.ci/compile_kernels.py``) is more permissive than NVRTC: it accepts host
 functions, includes the CUDA runtime headers implicitly, and so on. This test hands the
@@ -44,7 +45,26 @@ def test_every_variant_compiles_under_nvrtc(source: str) -> None:
     # attn_bwd_v4.cu: v4's (float16, bfloat16 at head dims 64, 128), each also FLEX
     least = {"attn_bwd_v3.cu": 2, "attn_bwd_v4.cu": 8}.get(source, 20)
     assert len(names) >= least, names
-    for name, lowered in lowered_names(lib, source, names).items():
+    # Every name through NVRTC's front end, where its rejections of what nvcc accepts
+    # come from (checked: a constexpr host function in a launch bound, a dependent
+    # static_assert, an unannotated host call are each caught as in a full compile).
+    for name, lowered in lowered_names(lib, source, names, syntax_only=True).items():
+        assert lowered and lowered.startswith(b"_Z"), name
+
+
+@pytest.mark.parametrize(
+    "source", ["attn_fwd.cu", "attn_bwd.cu", "attn_bwd_v3.cu", "attn_bwd_v4.cu", "decode_attn.cu"]
+)
+def test_sample_variants_compile_to_ptx_under_nvrtc(source: str) -> None:
+    """The first and last variants of each source through all of NVRTC, PTX included
+    (the rest of NVRTC's pipeline, NVVM, with the loader's options); .ci/compile_kernels.py
+    builds every variant to SASS with nvcc."""
+    lib = find_nvrtc()
+    if lib is None:
+        pytest.skip("libnvrtc not found (pip install nvidia-cuda-nvrtc, or set ARRAYATTN_NVRTC)")
+    names = _variants()[source]
+    sample = list(dict.fromkeys([names[0], names[-1]]))
+    for name, lowered in lowered_names(lib, source, sample).items():
         assert lowered and lowered.startswith(b"_Z"), name
 
 
