@@ -17,6 +17,9 @@ while the pool runs, and ``fork`` safety.
   call's other workers the same way and reaches the caller with its own type. No
   thread keeps computing for a call that has ended, and the pool serves the next call.
 - :func:`one_thread` runs a caller's fast-path calls on its own thread (a Dask task).
+- Units run with subnormal floats flushed to zero on their thread
+  (:mod:`arrayattn.attention.denormals`: an x86 CPU takes ~10x longer over tiles whose
+  exponentials are subnormal), the thread's previous state restored after.
 - ``fork``: a forked child builds its own pool (``os.register_at_fork``), and a fork
   waits for fast-path calls running in other threads (:class:`_ForkGate`).
 """
@@ -34,6 +37,8 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
+
+from .denormals import flushed
 
 __all__ = ["checkpoint", "num_threads", "one_thread"]
 
@@ -345,9 +350,10 @@ def _run_units(
     n_env = num_threads()
     n = n_env
     if serial or n == 1 or len(units) <= 1:
-        state = make_state()
-        for u in units:
-            work(state, u)
+        with flushed():  # subnormals: see denormals.py (this thread, restored after)
+            state = make_state()
+            for u in units:
+                work(state, u)
         return
     n = min(n, len(units))
     counter = itertools.count()
@@ -360,7 +366,7 @@ def _run_units(
             return
         _LOCAL.cancel = cancel
         try:
-            with np.errstate(**errors):
+            with np.errstate(**errors), flushed():  # subnormals: see denormals.py
                 state = make_state()
                 while not cancel.is_set():
                     i = next(counter)  # atomic under the GIL
