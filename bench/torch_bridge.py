@@ -8,6 +8,9 @@ Rows, per case (full and causal), float32, median and min-max milliseconds of
 ``out = attention(q, k, v); out.backward(d_out)`` with q, k, v requiring grad:
 
 - ``torch sdpa``: PyTorch's SDPA and its autograd (the baseline of every ratio);
+- ``torch sdpa, flush_denormal``: the same under ``torch.set_flush_denormal(True)``
+  (subnormals flushed to zero, as arrayattn's fast path does on its threads: the fair
+  peer when ``--logit-scale`` puts exponentials in the subnormal range);
 - ``arrayattn.torch``: the same call through arrayattn's autograd Function;
 - ``arrayattn.torch, (B,L,H,D) views``: inputs that are ``x.transpose(1, 2)`` views of a
   ``(B, L, H, D)`` layout (what a projection gives), not copied by the bridge;
@@ -25,6 +28,7 @@ Usage::
     python bench/torch_bridge.py                 # B1 H16 L2048 D64, 7 rounds
     python bench/torch_bridge.py --quick         # a small smoke run
     python bench/torch_bridge.py --shape 1,8,4096,64 --repeats 5 --threads 2
+    python bench/torch_bridge.py --logit-scale 4   # scores with std ~16 (subnormal exp)
 """
 
 from __future__ import annotations
@@ -53,11 +57,14 @@ import arrayattn.torch as aat
 BASELINE = "torch sdpa"
 
 
-def _steps(shape: tuple[int, int, int, int], causal: bool) -> dict[str, Callable[[], None]]:
+def _steps(
+    shape: tuple[int, int, int, int], causal: bool, logit_scale: float = 1.0
+) -> dict[str, Callable[[], None]]:
     """One training step per row, on the same data."""
     B, H, L, D = shape
     gen = torch.Generator().manual_seed(0)
     q, k, v, d_out = (torch.randn(B, H, L, D, generator=gen) for _ in range(4))
+    q, k = q * logit_scale, k * logit_scale  # scores' standard deviation: logit_scale**2
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     views = [x.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for x in (q, k, v)]
     arrays = [x.numpy() for x in (q, k, v)]
@@ -73,21 +80,39 @@ def _steps(shape: tuple[int, int, int, int], causal: bool) -> dict[str, Callable
 
         return step
 
+    def flushed(step: Callable[[], None]) -> Callable[[], None]:
+        """``step`` with PyTorch's ``set_flush_denormal(True)`` (what arrayattn's fast path
+        does on its own threads), restored after."""
+
+        def run() -> None:
+            torch.set_flush_denormal(True)
+            try:
+                step()
+            finally:
+                torch.set_flush_denormal(False)
+
+        return run
+
     def numpy_step() -> None:
         _, pullback = aa.vjp(aa.scaled_dot_product_attention, *arrays, is_causal=causal)
         pullback(d_out_np)
 
     return {
         BASELINE: torch_step(torch.nn.functional.scaled_dot_product_attention, leaves),
+        "torch sdpa, flush_denormal": flushed(
+            torch_step(torch.nn.functional.scaled_dot_product_attention, leaves)
+        ),
         "arrayattn.torch": torch_step(aat.scaled_dot_product_attention, leaves),
         "arrayattn.torch, (B,L,H,D) views": torch_step(aat.scaled_dot_product_attention, views),
         "arrayattn vjp, NumPy": numpy_step,
     }
 
 
-def measure(shape: tuple[int, int, int, int], causal: bool, repeats: int) -> dict[str, list[float]]:
+def measure(
+    shape: tuple[int, int, int, int], causal: bool, repeats: int, logit_scale: float = 1.0
+) -> dict[str, list[float]]:
     """Seconds per step of every row, ``repeats`` interleaved rounds after a warm-up."""
-    steps = _steps(shape, causal)
+    steps = _steps(shape, causal, logit_scale)
     names = list(steps)
     for name in names:
         steps[name]()  # warm-up: thread pools, allocator, first-call imports
@@ -100,10 +125,14 @@ def measure(shape: tuple[int, int, int, int], causal: bool, repeats: int) -> dic
     return times
 
 
-def table(shape: tuple[int, int, int, int], results: dict[bool, dict[str, list[float]]]) -> str:
+def table(
+    shape: tuple[int, int, int, int],
+    results: dict[bool, dict[str, list[float]]],
+    logit_scale: float = 1.0,
+) -> str:
     B, H, L, D = shape
     lines = [
-        f"B={B} H={H} L={L} D={D} float32, forward + backward, "
+        f"B={B} H={H} L={L} D={D} float32, q and k times {logit_scale:g}, forward + backward, "
         f"torch {torch.__version__}, {torch.get_num_threads()} torch threads",
         "",
         "| case | peer | median ms | min-max ms | ratio to torch sdpa |",
@@ -125,6 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="1,16,2048,64", help="B,H,L,D (default %(default)s)")
     parser.add_argument("--repeats", type=int, default=7, help="interleaved rounds")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument(
+        "--logit-scale",
+        type=float,
+        default=1.0,
+        help="q and k times this (scores' std = its square; 4 gives ~16, as trained models "
+        "without QK-norm; rows then spread past exp's float32 normal range)",
+    )
     parser.add_argument("--quick", action="store_true", help="B1 H2 L128 D32, 2 rounds")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in ("1,2,128,32" if args.quick else args.shape).split(",")]
@@ -134,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     repeats = 2 if args.quick else args.repeats
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    results = {causal: measure(shape, causal, repeats) for causal in (False, True)}
-    print(table(shape, results))
+    scale = args.logit_scale
+    results = {causal: measure(shape, causal, repeats, scale) for causal in (False, True)}
+    print(table(shape, results, scale))
     print(f"\nnumpy {np.__version__}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
     return 0
 

@@ -216,13 +216,25 @@ def test_torch_bridge_script_prints_every_row_and_its_ratio(capsys):
     script = _load_script("torch_bridge")
     assert script.main(["--quick"]) == 0
     out = capsys.readouterr().out
-    rows = ("torch sdpa", "arrayattn.torch", "arrayattn.torch, (B,L,H,D) views",
-            "arrayattn vjp, NumPy")  # fmt: skip
+    rows = ("torch sdpa", "torch sdpa, flush_denormal", "arrayattn.torch",
+            "arrayattn.torch, (B,L,H,D) views", "arrayattn vjp, NumPy")  # fmt: skip
     for case in ("full", "causal"):
         for name in rows:
             assert f"| {case} | {name} | " in out
     base = next(line for line in out.splitlines() if line.startswith("| full | torch sdpa |"))
     assert base.rstrip(" |").endswith("| 1.00")
+
+
+def test_subnormal_bench_prints_a_row_per_scale_and_restores_the_environment(capsys):
+    import os
+
+    script = _load_script("subnormal_bench")
+    before = os.environ.get("ARRAYATTN_FLUSH_DENORMALS")
+    assert script.main(["--shape", "1,1,64,16", "--scales", "1,8", "--repeats", "1"]) == 0
+    assert os.environ.get("ARRAYATTN_FLUSH_DENORMALS") == before
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [r.split(" | ")[0] for r in rows[1:]] == ["| 1", "| 8"]  # after the header
+    assert all(r.count(" / ") == (3 if "torch" in sys.modules else 2) for r in rows[1:])
 
 
 def test_cascade_bench_quick_prints_both_comparisons(capsys):
