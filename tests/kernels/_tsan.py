@@ -23,6 +23,8 @@ from functools import cache
 from importlib import resources
 from pathlib import Path
 
+import pytest
+
 FLAGS = ("-O1", "-g", "-fsanitize=thread")
 KERNELS = Path(str(resources.files("arrayattn.attention.cuda")))
 BARRIER = "__syncthreads();"
@@ -102,6 +104,18 @@ def python_fails_with(lib: str) -> str | None:
         [sys.executable, "-c", "pass"], env=dict(os.environ, LD_PRELOAD=lib), capture_output=True
     )
     return None if probe.returncode == 0 else probe.stderr.decode(errors="replace")[-300:]
+
+
+def require_python_tsan(compiler: str = "g++") -> str:
+    """The compiler's libtsan, when a Python with it preloaded starts here (what the race
+    checks run their kernels under); else the calling test or fixture is skipped."""
+    lib = libtsan(compiler)
+    if lib is None:
+        pytest.skip("no libtsan for this compiler")
+    error = python_fails_with(lib)
+    if error is not None:
+        pytest.skip(f"ThreadSanitizer does not run here: {error}")
+    return lib
 
 
 def program_runs(work: Path, compiler: str = "g++") -> bool:

@@ -310,12 +310,7 @@ def _run_under_tsan(
 
 @pytest.fixture(scope="module")
 def tsan_work(tmp_path_factory) -> Path:
-    lib = tsan.libtsan(emu.compiler() or "g++")
-    if lib is None:
-        pytest.skip("no libtsan for this compiler")
-    error = tsan.python_fails_with(lib)
-    if error is not None:
-        pytest.skip(f"ThreadSanitizer does not run here: {error}")
+    tsan.require_python_tsan(emu.compiler() or "g++")
     return tmp_path_factory.mktemp("bwd_tsan")
 
 

@@ -157,12 +157,7 @@ def test_d256_deterministic_is_reproducible(library, monkeypatch):
 @pytest.fixture(scope="module")
 def tsan_library(tmp_path_factory) -> Path:
     """A ThreadSanitizer build of the float16 D = 256 kernels (64-row steps)."""
-    lib = tsan.libtsan(emu.compiler() or "g++")
-    if lib is None:
-        pytest.skip("no libtsan for this compiler")
-    error = tsan.python_fails_with(lib)
-    if error is not None:
-        pytest.skip(f"ThreadSanitizer does not run here: {error}")
+    tsan.require_python_tsan(emu.compiler() or "g++")
     names = [n for n in _names() if "AaBF16" not in n and ", 256, 32, 64," not in n]
     return emu.compile_library(names, tmp_path_factory.mktemp("bwd_tsan_d256"), tsan.FLAGS,
                                kernel_file=SOURCE_V4)  # fmt: skip

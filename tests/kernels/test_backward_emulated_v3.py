@@ -109,12 +109,7 @@ def test_v3_has_no_data_race(tmp_path_factory):
     ``_backward_tsan_run.py``'s v3 race case: two 128-row steps per head (bottom-right
     causal, L = 150, S = 70), two heads of one GQA group, sinks and ALiBi; the gradients
     are also checked against the float64 reference there."""
-    lib = tsan.libtsan(emu.compiler() or "g++")
-    if lib is None:
-        pytest.skip("no libtsan for this compiler")
-    error = tsan.python_fails_with(lib)
-    if error is not None:
-        pytest.skip(f"ThreadSanitizer does not run here: {error}")
+    lib = tsan.require_python_tsan(emu.compiler() or "g++")
     work = tmp_path_factory.mktemp("bwd_tsan_v3")
     built = emu.compile_library(_names(("float16",), ("v3",)), work, tsan.FLAGS,
                                 kernel_file=SOURCE_V3)  # fmt: skip

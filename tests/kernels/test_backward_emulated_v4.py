@@ -138,12 +138,7 @@ def test_v4_is_bitwise_v2_in_deterministic_mode(library, d, case):
 def switchable_v4(tmp_path_factory) -> Path:
     """One ThreadSanitizer build of v4's race-case kernels (float16, D = 64) from a copy of
     the kernels whose ``attn_bwd_v4.cu`` barriers ``AA_EMU_SKIP_BARRIER`` switches off."""
-    lib = tsan.libtsan(emu.compiler() or "g++")
-    if lib is None:
-        pytest.skip("no libtsan for this compiler")
-    error = tsan.python_fails_with(lib)
-    if error is not None:
-        pytest.skip(f"ThreadSanitizer does not run here: {error}")
+    tsan.require_python_tsan(emu.compiler() or "g++")
     work = tmp_path_factory.mktemp("bwd_tsan_v4")
     kdir = tsan.kernels_with_switchable_barriers(SOURCE_V4, work / "switchable")
     return emu.compile_library(_names((("float16", 64, "v4"),)), work, tsan.FLAGS,
