@@ -15,6 +15,8 @@ to use another). Skipped when it cannot be found.
 
 from __future__ import annotations
 
+import ctypes
+
 import _compile_check
 import pytest
 from _nvrtc import find_nvrtc, lowered_names
@@ -33,13 +35,19 @@ def _variants() -> dict[str, list[str]]:
     return out
 
 
+@pytest.fixture(scope="module")
+def lib() -> ctypes.CDLL:
+    """libnvrtc, or the module's tests are skipped."""
+    found = find_nvrtc()
+    if found is None:
+        pytest.skip("libnvrtc not found (pip install nvidia-cuda-nvrtc, or set ARRAYATTN_NVRTC)")
+    return found
+
+
 @pytest.mark.parametrize(
     "source", ["attn_fwd.cu", "attn_bwd.cu", "attn_bwd_v3.cu", "attn_bwd_v4.cu", "decode_attn.cu"]
 )
-def test_every_variant_compiles_under_nvrtc(source: str) -> None:
-    lib = find_nvrtc()
-    if lib is None:
-        pytest.skip("libnvrtc not found (pip install nvidia-cuda-nvrtc, or set ARRAYATTN_NVRTC)")
+def test_every_variant_compiles_under_nvrtc(lib: ctypes.CDLL, source: str) -> None:
     names = _variants()[source]
     # attn_bwd_v3.cu: backward v3's dK/dV kernel only (float16, bfloat16 at head dim 64);
     # attn_bwd_v4.cu: v4's (float16, bfloat16 at head dims 64, 128), each also FLEX
@@ -55,13 +63,10 @@ def test_every_variant_compiles_under_nvrtc(source: str) -> None:
 @pytest.mark.parametrize(
     "source", ["attn_fwd.cu", "attn_bwd.cu", "attn_bwd_v3.cu", "attn_bwd_v4.cu", "decode_attn.cu"]
 )
-def test_sample_variants_compile_to_ptx_under_nvrtc(source: str) -> None:
+def test_sample_variants_compile_to_ptx_under_nvrtc(lib: ctypes.CDLL, source: str) -> None:
     """The first and last variants of each source through all of NVRTC, PTX included
     (the rest of NVRTC's pipeline, NVVM, with the loader's options); .ci/compile_kernels.py
     builds every variant to SASS with nvcc."""
-    lib = find_nvrtc()
-    if lib is None:
-        pytest.skip("libnvrtc not found (pip install nvidia-cuda-nvrtc, or set ARRAYATTN_NVRTC)")
     names = _variants()[source]
     sample = list(dict.fromkeys([names[0], names[-1]]))
     for name, lowered in lowered_names(lib, source, sample).items():
@@ -69,12 +74,9 @@ def test_sample_variants_compile_to_ptx_under_nvrtc(source: str) -> None:
 
 
 @pytest.mark.parametrize("source", ["attn_fwd.cu", "attn_bwd.cu", "attn_bwd_v4.cu"])
-def test_flex_predicate_variants_compile_under_nvrtc(source: str) -> None:
+def test_flex_predicate_variants_compile_under_nvrtc(lib: ctypes.CDLL, source: str) -> None:
     """One block-mask instantiation per kernel family with a generated predicate in front
     (flex_pred.sample_prelude: every built-in's code shape), as the loader compiles it."""
-    lib = find_nvrtc()
-    if lib is None:
-        pytest.skip("libnvrtc not found (pip install nvidia-cuda-nvrtc, or set ARRAYATTN_NVRTC)")
     names = flex_variants.compile_variants()[source]
     prelude = flex_pred.sample_prelude()
     for name, lowered in lowered_names(lib, source, names, prelude).items():
