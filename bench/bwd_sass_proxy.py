@@ -115,19 +115,33 @@ def sass_loops(sass: str, mangled: str) -> list[tuple[int, int, int, int, int]]:
     return sorted(out)
 
 
+def tool_parser(description: str) -> argparse.ArgumentParser:
+    """An argument parser with the ``--cuobjdump``/``--nvdisasm`` tool paths (PATH's by
+    default), for this script and the others that read cubins with its helpers."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
+    ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm") or "nvdisasm")
+    return ap
+
+
+def nvrtc_or_report() -> ctypes.CDLL | None:
+    """libnvrtc, or ``None`` after saying on stderr that none was found."""
+    lib = find_nvrtc()
+    if lib is None:
+        print("no NVRTC library found", file=sys.stderr)
+    return lib
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = tool_parser(__doc__.splitlines()[0])
     ap.add_argument("--variants", default=",".join(backward.VARIANTS))
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--kind", default="float16")
     ap.add_argument("--loops", action="store_true", help="print each kernel's SASS loops")
     ap.add_argument("--flex", action="store_true", help="the block-mask plans (flex_plan)")
-    ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
-    ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm") or "nvdisasm")
     a = ap.parse_args()
-    lib = find_nvrtc()
+    lib = nvrtc_or_report()
     if lib is None:
-        print("no NVRTC library found", file=sys.stderr)
         return 2
     rows = []
     for var in a.variants.split(","):

@@ -17,9 +17,7 @@ Usage (``cuobjdump``/``nvdisasm`` from PATH or ``--cuobjdump``/``--nvdisasm``)::
 
 from __future__ import annotations
 
-import argparse
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,8 +29,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 import numpy as np  # noqa: E402
-from _nvrtc import find_nvrtc  # noqa: E402
-from bwd_sass_proxy import cubin, sass_counts  # noqa: E402
+from bwd_sass_proxy import cubin, nvrtc_or_report, sass_counts, tool_parser  # noqa: E402
 
 from arrayattn.attention.cuda import _loader, flex_pred, flex_variants  # noqa: E402
 from arrayattn.flex import document_mask  # noqa: E402
@@ -45,19 +42,16 @@ def _fma(sass: str, mangled: str) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = tool_parser(__doc__.splitlines()[0])
     ap.add_argument(
         "--mask",
         default="sample",
         choices=["sample", "document"],
         help="the predicate: flex_pred.sample_prelude, or a causal document mask's",
     )
-    ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
-    ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm") or "nvdisasm")
     a = ap.parse_args()
-    lib = find_nvrtc()
+    lib = nvrtc_or_report()
     if lib is None:
-        print("no NVRTC library found", file=sys.stderr)
         return 2
     real_source = _loader.kernel_source
     rows = []
